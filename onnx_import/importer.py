@@ -1,0 +1,165 @@
+"""ONNX -> Relax: a checked ModelProto becomes an IRModule whose ``main`` takes (inputs..., params...).
+
+Parameters stay function arguments (not constants) so that later passes (merged QKV, training) still see them
+as weights; symbolic dims (batch, seq) stay symbolic unless ``shapes`` binds them.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import warnings
+
+import numpy as np
+import onnx
+
+from onnx_import.loader import load_model_proto
+from tvmdm.errors import ShapeError, UnsupportedOperatorError
+from tvmdm.spec import TensorSpec
+
+
+@dataclasses.dataclass
+class ImportedModel:
+    """What the importer hands to the compiler."""
+
+    mod: "object"  # tvm.IRModule; main(inputs..., params...)
+    params: dict[str, np.ndarray]  # in the order of main's trailing parameters, keyed by ONNX initializer name
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    source: str  # file path or proto label, for messages
+    proto: onnx.ModelProto
+    # Initializer name -> nodes reading it, for float weights read by more than one node: exporters
+    # de-duplicate identical initializers, which would tie those parameters together in training.
+    shared_initializers: dict[str, list[str]]
+    # Input name -> (rows of the embedding table it indexes, node): out-of-range ids must be refused
+    # before the kernel runs (TVM's gather does not check bounds).
+    index_bounds: dict[str, tuple[int, str]]
+
+
+def _onnx_dtype(elem_type: int) -> str:
+    return str(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)))
+
+
+def _onnx_input_specs(proto: onnx.ModelProto) -> list[TensorSpec]:
+    initializers = {t.name for t in proto.graph.initializer}
+    specs = []
+    for value in proto.graph.input:
+        if value.name in initializers:
+            continue
+        tensor = value.type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor.shape.dim)
+        specs.append(TensorSpec(value.name, dims, _onnx_dtype(tensor.elem_type)))
+    return specs
+
+
+def _check_bound_shapes(specs: list[TensorSpec], shapes: dict, source: str) -> None:
+    names = {s.name for s in specs}
+    unknown = sorted(set(shapes) - names)
+    if unknown:
+        raise ShapeError(f"{source}: shapes given for unknown inputs {unknown}; the model's inputs are {sorted(names)}")
+    sizes: dict[str, tuple[int, str]] = {}
+    for spec in specs:
+        if spec.name not in shapes:
+            continue
+        shape = [int(d) for d in shapes[spec.name]]
+        if len(shape) != len(spec.shape):
+            raise ShapeError(f"{source}: input {spec.name!r} has rank {len(spec.shape)} {list(spec.shape)}, "
+                             f"but shape {shape} was given")
+        for axis, (want, got) in enumerate(zip(spec.shape, shape)):
+            if got <= 0:
+                raise ShapeError(f"{source}: input {spec.name!r} axis {axis}: size must be positive, got {got}")
+            if isinstance(want, int) and want != got:
+                raise ShapeError(f"{source}: input {spec.name!r} axis {axis} is fixed to {want} in the model, "
+                                 f"but shape {shape} was given")
+            if isinstance(want, str) and want != "?":
+                seen = sizes.setdefault(want, (got, spec.name))
+                if seen[0] != got:
+                    raise ShapeError(f"{source}: dim {want!r} bound to {seen[0]} by input {seen[1]!r} but to "
+                                     f"{got} by input {spec.name!r}")
+
+
+def _shared_initializers(proto: onnx.ModelProto) -> dict[str, list[str]]:
+    weights = {t.name for t in proto.graph.initializer
+               if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+               and len(t.dims) >= 1 and int(np.prod(t.dims)) > 1}
+    readers: dict[str, list[str]] = {}
+    for node in proto.graph.node:
+        for name in set(node.input) & weights:
+            readers.setdefault(name, []).append(node.name or node.op_type)
+    return {name: nodes for name, nodes in readers.items() if len(nodes) > 1}
+
+
+def _index_bounds(proto: onnx.ModelProto, input_names: set[str]) -> dict[str, tuple[int, str]]:
+    tables = {t.name: t.dims[0] for t in proto.graph.initializer if len(t.dims) >= 1}
+    bounds: dict[str, tuple[int, str]] = {}
+    for node in proto.graph.node:
+        if node.op_type != "Gather" or len(node.input) < 2 or node.input[0] not in tables:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if axis == 0 and node.input[1] in input_names:
+            rows = tables[node.input[0]]
+            if node.input[1] not in bounds or rows < bounds[node.input[1]][0]:
+                bounds[node.input[1]] = (int(rows), node.name or "Gather")
+    return bounds
+
+
+def _check_supported_ops(proto: onnx.ModelProto, source: str) -> None:
+    from tvm.relax.frontend.onnx import onnx_frontend
+
+    known = set(onnx_frontend._get_convert_map()) | {"If", "Constant"}
+    missing: dict[str, list[str]] = {}
+    for node in proto.graph.node:
+        if node.op_type not in known:
+            missing.setdefault(f"{node.domain + '.' if node.domain else ''}{node.op_type}", []).append(
+                node.name or "(unnamed)")
+    if missing:
+        listing = "; ".join(f"{op} at node(s) {', '.join(nodes[:3])}{' ...' if len(nodes) > 3 else ''}"
+                            for op, nodes in sorted(missing.items()))
+        raise UnsupportedOperatorError(f"{source}: unsupported ONNX operator(s): {listing}")
+
+
+def _spec_from_type(name: str, ty) -> TensorSpec:
+    from tvm import tirx
+
+    shape = tuple(int(d) if isinstance(d, tirx.IntImm) else str(d) for d in ty.shape.values)
+    return TensorSpec(name, shape, str(ty.dtype))
+
+
+def import_onnx(model: "str | os.PathLike | onnx.ModelProto", shapes: dict | None = None) -> ImportedModel:
+    """Load, check and convert an ONNX model. ``shapes`` maps input names to concrete shapes to bind;
+    unbound symbolic dims stay symbolic (one compiled module then serves many (batch, seq))."""
+    from tvm import relax
+
+    from tvmdm import compat
+
+    compat.patch_onnx_frontend()
+    proto, source = load_model_proto(model)
+    onnx_inputs = _onnx_input_specs(proto)
+    shapes = dict(shapes or {})
+    _check_bound_shapes(onnx_inputs, shapes, source)
+    _check_supported_ops(proto, source)
+    # TVM prints a line before re-raising converter errors and warns about dynamic dims: we report both ourselves.
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        try:
+            mod = relax.frontend.onnx.from_onnx(proto, shape_dict={k: list(v) for k, v in shapes.items()},
+                                                dtype_dict={s.name: s.dtype for s in onnx_inputs},
+                                                keep_params_in_input=True)
+        except compat.ConverterError as err:
+            raise UnsupportedOperatorError(f"{source}: {err}") from None
+    mod, detached = relax.frontend.detach_params(mod)
+    main = mod["main"]
+    n_in = len(onnx_inputs)
+    param_names = [t.name for t in proto.graph.initializer]
+    values = detached.get("main", [])
+    if len(values) != len(param_names) or len(main.params) != n_in + len(values):
+        raise RuntimeError(f"{source}: importer lost track of parameters ({len(values)} values, "
+                           f"{len(param_names)} initializers, {len(main.params)} function params)")
+    params = {name: v.numpy() for name, v in zip(param_names, values)}
+    inputs = [_spec_from_type(spec.name, var.ty) for spec, var in zip(onnx_inputs, main.params[:n_in])]
+    out_ty = main.ret_ty
+    out_types = list(out_ty.fields) if isinstance(out_ty, relax.TupleType) else [out_ty]
+    outputs = [_spec_from_type(o.name, ty) for o, ty in zip(proto.graph.output, out_types)]
+    return ImportedModel(mod, params, inputs, outputs, source, proto, _shared_initializers(proto),
+                         _index_bounds(proto, {s.name for s in onnx_inputs}))

@@ -1,0 +1,29 @@
+"""tvmdm: BERT training and inference on Apache TVM, made fast by cutting data movement.
+
+Public API:
+    compile(model, *, target="llvm", shapes=None, tuning_logs=None, fusion="tvm") -> Compiled
+    load(path) -> runner of an exported artifact (no onnx needed)
+    default_model(name), default_shapes(name), random_inputs(model, shapes): the embedded BERT models
+"""
+from tvmdm.artifact import load
+from tvmdm.build import CheckResult, Compiled, compile
+from tvmdm.errors import (ArtifactError, InputError, ModelLoadError, ShapeError, TvmdmError,
+                          UnsupportedOperatorError)
+from tvmdm.spec import TensorSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "compile", "load", "Compiled", "CheckResult", "TensorSpec",
+    "TvmdmError", "ModelLoadError", "UnsupportedOperatorError", "ShapeError", "InputError", "ArtifactError",
+    "default_model", "default_shapes", "random_inputs",
+]
+
+
+def __getattr__(name):
+    # The model builder needs onnx; deployed artifacts load without it, so import it only when asked.
+    if name in ("default_model", "default_shapes", "random_inputs"):
+        from tvmdm import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module 'tvmdm' has no attribute {name!r}")

@@ -1,0 +1,86 @@
+"""One-file deployable artifacts: a tar holding the compiled library, the parameters and a manifest.
+
+``load`` needs only TVM's runtime and numpy: no onnx, no onnxruntime.
+Layout inside the tar: ``model.so`` (relax executable), ``params.npz`` (weights, names in manifest order),
+``manifest.json`` (format version, target kind, inputs/outputs with shapes and dtypes, index bounds).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import tempfile
+
+import numpy as np
+
+from tvmdm.errors import ArtifactError
+
+FORMAT = "tvmdm-artifact"
+VERSION = 1
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def export_artifact(runner, path) -> str:
+    """Write ``runner`` (a Compiled) to ``path``; returns the path written."""
+    path = os.fspath(path)
+    params = runner.params()
+    manifest = {
+        "format": FORMAT, "version": VERSION,
+        "target_kind": runner.target_kind,
+        "inputs": [s.to_json() for s in runner.inputs],
+        "outputs": [s.to_json() for s in runner.outputs],
+        "params": list(params),
+        "index_bounds": {k: list(v) for k, v in runner.index_bounds.items()},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = os.path.join(tmp, "model.so")
+        runner._executable.export_library(lib)
+        buf = io.BytesIO()
+        np.savez(buf, **{f"p{i}": v for i, v in enumerate(params.values())})
+        tmp_out = path + ".partial"
+        with tarfile.open(tmp_out, "w") as tar:
+            _add_bytes(tar, "manifest.json", json.dumps(manifest, indent=1).encode())
+            tar.add(lib, arcname="model.so")
+            _add_bytes(tar, "params.npz", buf.getvalue())
+        os.replace(tmp_out, path)  # never leave a half-written artifact under the real name
+    return path
+
+
+def load(path) -> "ModelRunner":
+    """Load an artifact written by ``Compiled.export``; returns a runner with ``run``."""
+    from tvm import runtime
+
+    from tvmdm.runtime import ModelRunner
+    from tvmdm.spec import TensorSpec
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ArtifactError(f"artifact not found: {path}")
+    try:
+        with tarfile.open(path, "r") as tar:
+            manifest = json.loads(tar.extractfile("manifest.json").read())
+            params_npz = np.load(io.BytesIO(tar.extractfile("params.npz").read()))
+            lib_bytes = tar.extractfile("model.so").read()
+    except (tarfile.TarError, KeyError, ValueError, OSError, AttributeError) as err:
+        raise ArtifactError(f"{path}: not a tvmdm artifact or damaged: {err}") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ArtifactError(f"{path}: unsupported artifact format {manifest.get('format')!r} "
+                            f"version {manifest.get('version')!r} (this tvmdm reads {FORMAT} v{VERSION})")
+    with tempfile.TemporaryDirectory() as tmp:
+        # The shared library must be a file to be dlopen'ed; once loaded the file can go.
+        lib_path = os.path.join(tmp, "model.so")
+        with open(lib_path, "wb") as f:
+            f.write(lib_bytes)
+        lib = runtime.load_module(lib_path)
+    names = manifest["params"]
+    params = {name: params_npz[f"p{i}"] for i, name in enumerate(names)}
+    return ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
+                       outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]], params=params,
+                       target_kind=manifest["target_kind"],
+                       index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()})

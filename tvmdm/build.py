@@ -1,0 +1,129 @@
+"""compile(): import -> fuse -> schedule -> relax.build, returning a runnable ``Compiled``."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from tvmdm import fuse as fuse_stage
+from tvmdm.runtime import ModelRunner
+from tvmdm.target import make_target
+
+log = logging.getLogger("tvmdm")
+
+
+@dataclasses.dataclass
+class OutputCheck:
+    name: str
+    max_abs_err: float
+    max_rel_err: float  # relative to the largest magnitude in the reference output
+    ok: bool
+
+
+@dataclasses.dataclass
+class CheckResult:
+    """tvmdm vs onnxruntime on the same inputs, output by output."""
+
+    outputs: list[OutputCheck]
+    atol: float
+    rtol: float
+
+    @property
+    def ok(self) -> bool:
+        return all(o.ok for o in self.outputs)
+
+    @property
+    def max_abs_err(self) -> float:
+        return max(o.max_abs_err for o in self.outputs)
+
+    def __str__(self) -> str:
+        rows = [f"  {o.name}: max abs err {o.max_abs_err:.3g}, rel {o.max_rel_err:.3g} "
+                f"{'ok' if o.ok else 'MISMATCH'}" for o in self.outputs]
+        return f"check vs onnxruntime (atol={self.atol}, rtol={self.rtol}): {'ok' if self.ok else 'FAILED'}\n" + \
+            "\n".join(rows)
+
+
+def compare_outputs(names, got, ref, atol: float, rtol: float) -> CheckResult:
+    checks = []
+    for name, g, r in zip(names, got, ref):
+        if g.shape != r.shape:
+            checks.append(OutputCheck(name, float("inf"), float("inf"), False))
+            continue
+        diff = np.abs(g.astype(np.float64) - r.astype(np.float64))
+        scale = float(np.abs(r).max()) if r.size else 0.0
+        abs_err = float(diff.max()) if diff.size else 0.0
+        ok = bool(np.all(diff <= atol + rtol * np.abs(r)))
+        checks.append(OutputCheck(name, abs_err, abs_err / scale if scale else abs_err, ok))
+    return CheckResult(checks, atol, rtol)
+
+
+class Compiled(ModelRunner):
+    """A compiled model. ``run`` executes it; ``check`` compares with onnxruntime; ``export`` writes an artifact."""
+
+    def __init__(self, executable, imported, target, fusion: str, timings: dict[str, float]):
+        super().__init__(executable, inputs=imported.inputs, outputs=imported.outputs, params=imported.params,
+                         target_kind=target.kind.name, index_bounds=imported.index_bounds)
+        self.imported = imported
+        self.target = target
+        self.fusion = fusion
+        self.timings = timings
+
+    @property
+    def source(self) -> str:
+        return self.imported.source
+
+    def reference(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Outputs of onnxruntime (CPU) on the source ONNX model."""
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        sess = ort.InferenceSession(self.imported.proto.SerializeToString(), options,
+                                    providers=["CPUExecutionProvider"])
+        return sess.run(self.output_names, self.check_inputs(inputs))
+
+    def check(self, inputs: dict[str, np.ndarray], atol: float = 1e-4, rtol: float = 1e-4) -> CheckResult:
+        return compare_outputs(self.output_names, self.run(inputs), self.reference(inputs), atol, rtol)
+
+    def export(self, path: "str | os.PathLike") -> str:
+        from tvmdm.artifact import export_artifact
+
+        return export_artifact(self, path)
+
+
+def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs=None, fusion: str = "tvm",
+            **options) -> Compiled:
+    """Compile an ONNX model (path or ModelProto) for ``target``.
+
+    shapes: input name -> concrete shape to bind; dims left unbound stay symbolic (one module, many shapes).
+    fusion: "tvm" (stock FuseOps) or "none".
+    """
+    if options:
+        raise TypeError(f"compile() got unknown options {sorted(options)}")
+    if tuning_logs is not None:
+        raise NotImplementedError("tuning_logs: applying tuned schedules is not available yet")
+    from onnx_import import import_onnx
+    from schedules import apply_default_schedules
+
+    if isinstance(model, tvm.IRModule):
+        raise TypeError("compile() takes an ONNX path or ModelProto; IRModule input is not supported yet")
+    timings = {}
+    t0 = time.perf_counter()
+    imported = import_onnx(model, shapes=shapes)
+    timings["import"] = time.perf_counter() - t0
+    tvm_target = make_target(target)
+    t0 = time.perf_counter()
+    mod = fuse_stage.fuse(imported.mod, fusion)
+    mod = apply_default_schedules(mod, tvm_target)
+    timings["fuse+schedule"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    executable = relax.build(mod, target=tvm_target)
+    timings["build"] = time.perf_counter() - t0
+    log.info("compiled %s for %s: %s", imported.source, tvm_target.kind.name,
+             ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    return Compiled(executable, imported, tvm_target, fusion, timings)

@@ -1,0 +1,104 @@
+"""Every workaround for a TVM 0.27 internal lives here, each with a regression test in tests/test_compat.py.
+
+When TVM or tvm-ffi is upgraded, run that test file first: a workaround that is no longer needed, or that no
+longer applies, shows up there at once. Nothing else in tvmdm reaches into TVM's private modules.
+Pinned: apache-tvm==0.27.0.post1, apache-tvm-ffi==0.1.14.post1 (0.1.15.post2 segfaults in save_json).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_PATCHED = False
+
+
+def _frontend():
+    from tvm.relax.frontend.onnx import onnx_frontend
+
+    return onnx_frontend
+
+
+def _constant_of_shape_converter(base):
+    """TVM's ConstantOfShape broadcasts the (1,)-shaped ``value`` tensor to the target shape, which fails
+    for a 0-d target (``[]``), as in every BERT export by torch's legacy exporter: scalarize it first."""
+    class ConstantOfShape(base):
+        @classmethod
+        def _impl_v9(cls, bb, inputs, attr, params):
+            value = attr.get("value")
+            if value is not None:
+                array = _frontend().get_numpy(value)
+                if array.size == 1 and array.ndim > 0:
+                    attr = dict(attr, value=_scalar_tensor_proto(array))
+            return super()._impl_v9(bb, inputs, attr, params)
+
+    return ConstantOfShape
+
+
+def _scalar_tensor_proto(array: np.ndarray):
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(array.reshape(()))
+
+
+def _range_converter(base):
+    """TVM's Range turns a symbolic limit (e.g. the ``seq`` dim from ``Shape``) into a data-dependent
+    ``range_len`` var, so position ids stop matching (batch, seq) and later shapes are lost. Emit
+    ``relax.op.arange`` with the symbolic extent instead when start and delta are constants."""
+    import tvm
+    from tvm import relax, tirx
+
+    def as_prim(x, params):
+        x = _frontend().get_constant(x, params)
+        if isinstance(x, tvm.ir.GenericConst):
+            value = x.value.numpy()
+            return int(value.reshape(-1)[0]) if value.size == 1 and value.dtype.kind in "iu" else None
+        if tvm.ir.is_prim_expr(x):
+            return x
+        if isinstance(x, relax.Expr) and isinstance(x.ty, relax.ShapeType) and x.ty.values is not None:
+            return x.ty.values[0] if len(x.ty.values) == 1 else None
+        return None
+
+    class Range(base):
+        @classmethod
+        def _impl_v12(cls, bb, inputs, attr, params):
+            start, limit, delta = (as_prim(x, params) for x in inputs)
+            symbolic = tvm.ir.is_prim_expr(limit) and not isinstance(limit, tirx.IntImm)
+            if symbolic and isinstance(start, int) and isinstance(delta, int) and delta != 0:
+                dtype = str(inputs[0].ty.dtype) if isinstance(inputs[0], relax.Expr) else "int64"
+                return relax.op.arange(start, limit, delta, dtype)
+            return super()._impl_v12(bb, inputs, attr, params)
+
+    return Range
+
+
+class ConverterError(Exception):
+    """A converter failed on one node; the message names the op and the node."""
+
+
+def _naming_convert_operator(original):
+    """TVM's converter errors do not say which node failed (it prints the inputs to stdout instead):
+    re-raise them naming the op and the node."""
+
+    def convert_operator(self, op_name, inputs, attrs, opset):
+        try:
+            return original(self, op_name, inputs, attrs, opset)
+        except Exception as err:  # noqa: BLE001 - any converter failure is reported the same way
+            node = attrs.get("tvm_custom", {}).get("name", "?")
+            first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            raise ConverterError(f"cannot convert {op_name} node {node!r} (opset {opset}): {first}") from err
+
+    return convert_operator
+
+
+def patch_onnx_frontend() -> None:
+    """Install the converter fixes into TVM's ONNX frontend (idempotent).
+
+    ``_get_convert_map`` reads the module-level converter classes on every call, so replacing the module
+    attributes is enough; subclasses keep every other opset version of the original converters."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    fe = _frontend()
+    fe.ConstantOfShape = _constant_of_shape_converter(fe.ConstantOfShape)
+    fe.Range = _range_converter(fe.Range)
+    fe.ONNXGraphImporter._convert_operator = _naming_convert_operator(fe.ONNXGraphImporter._convert_operator)
+    _PATCHED = True

@@ -1,0 +1,105 @@
+"""Running a compiled module: input checking, parameter placement, the VM call, outputs in ONNX order.
+
+Shared by ``Compiled`` (fresh from compile) and by modules loaded from an exported artifact, so it needs
+nothing but TVM's runtime and numpy (no onnx).
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from tvmdm.errors import InputError
+
+
+def _device_for(kind: str):
+    return tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
+
+
+class ModelRunner:
+    """Holds the VM and the parameters on the device; ``run`` checks inputs before anything reaches a kernel."""
+
+    def __init__(self, executable, *, inputs, outputs, params: dict[str, np.ndarray], target_kind: str,
+                 index_bounds: dict | None = None):
+        self.inputs = list(inputs)
+        self.outputs = list(outputs)
+        self.target_kind = target_kind
+        self.index_bounds = dict(index_bounds or {})
+        self.device = _device_for(target_kind)
+        self._executable = executable
+        self._vm = relax.VirtualMachine(executable, self.device)
+        self._param_names = list(params)
+        self._params = [tvm.runtime.tensor(np.asarray(v, order="C"), self.device) for v in params.values()]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [s.name for s in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [s.name for s in self.outputs]
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {name: p.numpy() for name, p in zip(self._param_names, self._params)}
+
+    def check_inputs(self, inputs) -> dict[str, np.ndarray]:
+        """Return the inputs as contiguous arrays, or raise InputError naming the input, axis or value at fault."""
+        if not isinstance(inputs, dict):
+            raise InputError(f"inputs must be a dict of input name -> numpy array, got {type(inputs).__name__}")
+        expected = self.input_names
+        missing = [n for n in expected if n not in inputs]
+        extra = sorted(set(inputs) - set(expected))
+        if missing or extra:
+            parts = ([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else [])
+            raise InputError(f"inputs do not match the model: {'; '.join(parts)}; the model takes {expected}")
+        sizes: dict[str, tuple[int, str]] = {}
+        checked = {}
+        for spec in self.inputs:
+            value = inputs[spec.name]
+            if not isinstance(value, np.ndarray):
+                raise InputError(f"input {spec.name!r} must be a numpy array, got {type(value).__name__}")
+            if str(value.dtype) != spec.dtype:
+                raise InputError(f"input {spec.name!r} has dtype {value.dtype}, the model expects {spec.dtype}")
+            if value.ndim != len(spec.shape):
+                raise InputError(f"input {spec.name!r} has rank {value.ndim} (shape {list(value.shape)}), the model "
+                                 f"expects rank {len(spec.shape)} {list(spec.shape)}")
+            for axis, (want, got) in enumerate(zip(spec.shape, value.shape)):
+                if isinstance(want, int) and want != got:
+                    raise InputError(f"input {spec.name!r} axis {axis} has size {got}, the model was compiled for "
+                                     f"{want} (shape {list(spec.shape)})")
+                if isinstance(want, str):
+                    if got == 0:
+                        raise InputError(f"input {spec.name!r} axis {axis} ({want}) is empty")
+                    first = sizes.setdefault(want, (got, spec.name))
+                    if first[0] != got:
+                        raise InputError(f"dim {want!r} is {first[0]} in input {first[1]!r} but {got} in input "
+                                         f"{spec.name!r} (axis {axis})")
+            self._check_index_range(spec.name, value)
+            checked[spec.name] = np.asarray(value, order="C")  # ascontiguousarray would make 0-d arrays 1-d
+        return checked
+
+    def _check_index_range(self, name: str, value: np.ndarray) -> None:
+        if name not in self.index_bounds or value.size == 0:
+            return
+        rows, node = self.index_bounds[name]
+        low, high = int(value.min()), int(value.max())
+        if low < 0 or high >= rows:
+            bad = low if low < 0 else high
+            raise InputError(f"input {name!r} holds index {bad}, outside [0, {rows}) of the table that node "
+                             f"{node!r} gathers from")
+
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Run the model; returns the outputs as numpy arrays in the ONNX output order."""
+        checked = self.check_inputs(inputs)
+        args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names]
+        result = self._vm["main"](*args, *self._params)
+        results = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
+        return [r.numpy() for r in results]
+
+    def time(self, inputs: dict[str, np.ndarray], repeat: int = 5) -> list[float]:
+        """Seconds per call over ``repeat`` calls (after one warm-up), measured by TVM's time evaluator."""
+        checked = self.check_inputs(inputs)
+        args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names] + self._params
+        self._vm.set_input("main", *args)
+        timer = self._vm.time_evaluator("invoke_stateful", self.device, number=1, repeat=repeat, min_repeat_ms=0)
+        return list(timer("main").results)
