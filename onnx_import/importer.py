@@ -139,11 +139,12 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto", shapes: dict | Non
     shapes = dict(shapes or {})
     _check_bound_shapes(onnx_inputs, shapes, source)
     _check_supported_ops(proto, source)
+    tvm_proto = compat.constants_as_nodes(proto)
     # TVM prints a line before re-raising converter errors and warns about dynamic dims: we report both ourselves.
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         try:
-            mod = relax.frontend.onnx.from_onnx(proto, shape_dict={k: list(v) for k, v in shapes.items()},
+            mod = relax.frontend.onnx.from_onnx(tvm_proto, shape_dict={k: list(v) for k, v in shapes.items()},
                                                 dtype_dict={s.name: s.dtype for s in onnx_inputs},
                                                 keep_params_in_input=True)
         except compat.ConverterError as err:
@@ -151,7 +152,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto", shapes: dict | Non
     mod, detached = relax.frontend.detach_params(mod)
     main = mod["main"]
     n_in = len(onnx_inputs)
-    param_names = [t.name for t in proto.graph.initializer]
+    param_names = [t.name for t in tvm_proto.graph.initializer]
     values = detached.get("main", [])
     if len(values) != len(param_names) or len(main.params) != n_in + len(values):
         raise RuntimeError(f"{source}: importer lost track of parameters ({len(values)} values, "

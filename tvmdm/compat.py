@@ -70,6 +70,40 @@ def _range_converter(base):
     return Range
 
 
+WEIGHT_DTYPES = (1, 10, 16)  # onnx.TensorProto FLOAT, FLOAT16, BFLOAT16
+
+
+def is_weight(tensor) -> bool:
+    """Float initializers with more than one element are model weights; everything else is a constant."""
+    return tensor.data_type in WEIGHT_DTYPES and int(np.prod(tensor.dims)) > 1
+
+
+def constants_as_nodes(proto):
+    """With ``keep_params_in_input=True`` (needed to keep weights as parameters) TVM's frontend turns every
+    initializer into a function parameter, and converters that do not look parameters up (Expand, ...)
+    then treat shape constants as data: shapes become data-dependent and later Reshapes fail. Turn every
+    initializer that is not a weight into a Constant node so the frontend sees it as a constant."""
+    import onnx
+    from onnx import helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    graph = out.graph
+    constants = [t for t in graph.initializer if not is_weight(t)]
+    if not constants:
+        return out
+    keep = [t for t in graph.initializer if is_weight(t)]
+    const_names = {t.name for t in constants}
+    nodes = [helper.make_node("Constant", [], [t.name], name=f"tvmdm_const/{t.name}", value=t) for t in constants]
+    nodes += list(graph.node)
+    inputs = [i for i in graph.input if i.name not in const_names]
+    del graph.initializer[:], graph.node[:], graph.input[:]
+    graph.initializer.extend(keep)
+    graph.node.extend(nodes)
+    graph.input.extend(inputs)
+    return out
+
+
 class ConverterError(Exception):
     """A converter failed on one node; the message names the op and the node."""
 
