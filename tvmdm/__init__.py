@@ -3,11 +3,13 @@
 Public API:
     compile(model, *, target="llvm", shapes=None, tuning_logs=None, fusion="tvm") -> Compiled
     load(path) -> runner of an exported artifact (no onnx needed)
-    default_model(name), default_shapes(name), random_inputs(model, shapes): the embedded BERT models
+    default_model(name), default_dims(name): the embedded BERT models (ONNX, seeded weights)
+    random_inputs(compiled, batch=, seq=): synthetic inputs for any compiled or loaded model
 """
 from tvmdm.artifact import load
 from tvmdm.build import CheckResult, Compiled, compile
-from tvmdm.errors import (ArtifactError, InputError, ModelLoadError, ShapeError, TvmdmError,
+from tvmdm.inputs import random_inputs
+from tvmdm.errors import (ArtifactError, InputError, ModelLoadError, ShapeError, TargetError, TvmdmError,
                           UnsupportedOperatorError)
 from tvmdm.spec import TensorSpec
 
@@ -15,14 +17,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "compile", "load", "Compiled", "CheckResult", "TensorSpec",
-    "TvmdmError", "ModelLoadError", "UnsupportedOperatorError", "ShapeError", "InputError", "ArtifactError",
-    "default_model", "default_shapes", "random_inputs",
+    "TvmdmError", "ModelLoadError", "UnsupportedOperatorError", "ShapeError", "TargetError", "InputError", "ArtifactError",
+    "default_model", "default_dims", "random_inputs", "DEFAULT_MODELS",
 ]
 
 
 def __getattr__(name):
     # The model builder needs onnx; deployed artifacts load without it, so import it only when asked.
-    if name in ("default_model", "default_shapes", "random_inputs"):
+    if name in ("default_model", "default_dims", "DEFAULT_MODELS"):
         from tvmdm import models
 
         return getattr(models, name)

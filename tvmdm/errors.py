@@ -23,3 +23,7 @@ class InputError(TvmdmError, ValueError):
 
 class ArtifactError(TvmdmError, ValueError):
     """An exported artifact cannot be loaded."""
+
+
+class TargetError(TvmdmError, ValueError):
+    """An unknown or malformed compilation target."""

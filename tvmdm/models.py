@@ -182,32 +182,7 @@ def default_model(name: str) -> onnx.ModelProto:
     return build_bert(cfg) if name == "bert-small" else build_encoder_layer(cfg)
 
 
-def default_shapes(name: str) -> dict[str, list[int]]:
-    """The (batch, seq) sizes the demo and benchmarks bind for a default model."""
+def default_dims(name: str) -> dict[str, int]:
+    """The (batch, seq) sizes the demo and benchmarks use for a default model."""
     cfg = DEFAULT_MODELS[name][1]
-    names = ["input_ids", "attention_mask", "token_type_ids"] if name == "bert-small" else []
-    shapes = {n: [cfg.batch, cfg.seq] for n in names}
-    if not names:
-        shapes = {"hidden_states": [cfg.batch, cfg.seq, cfg.hidden], "attention_mask": [cfg.batch, cfg.seq]}
-    return shapes
-
-
-def random_inputs(model: onnx.ModelProto, shapes: dict[str, list[int]], seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs for ``model`` at ``shapes``: normal floats, token ids below 100, and a padding mask
-    that zeroes the tail of every other row (so masking is exercised)."""
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for value in model.graph.input:
-        shape = shapes[value.name]
-        elem = value.type.tensor_type.elem_type
-        if "mask" in value.name:
-            mask = np.ones(shape, dtype=np.int64)
-            mask[1::2, shape[-1] // 2 + 1:] = 0
-            feeds[value.name] = mask.astype(helper.tensor_dtype_to_np_dtype(elem))
-        elif "type" in value.name:
-            feeds[value.name] = rng.integers(0, 2, size=shape).astype(helper.tensor_dtype_to_np_dtype(elem))
-        elif elem in (TensorProto.INT64, TensorProto.INT32):
-            feeds[value.name] = rng.integers(0, 100, size=shape).astype(helper.tensor_dtype_to_np_dtype(elem))
-        else:
-            feeds[value.name] = rng.standard_normal(shape).astype(helper.tensor_dtype_to_np_dtype(elem))
-    return feeds
+    return {"batch": cfg.batch, "seq": cfg.seq}

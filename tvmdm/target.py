@@ -9,6 +9,8 @@ import os
 
 import tvm
 
+from tvmdm.errors import TargetError
+
 CUDA_ARCHES = ("sm_80", "sm_86", "sm_89", "sm_90")
 
 
@@ -27,21 +29,21 @@ def make_target(target="llvm") -> tvm.target.Target:
     if isinstance(target, dict):
         return tvm.target.Target(target)
     if not isinstance(target, str):
-        raise TypeError(f"target must be a str, dict or tvm.target.Target, got {type(target).__name__}")
+        raise TargetError(f"target must be a str, dict or tvm.target.Target, got {type(target).__name__}")
     kind, _, arch = target.partition(":")
     if kind == "llvm":
         if arch:
-            raise ValueError(f"unknown target {target!r}: llvm takes no suffix")
+            raise TargetError(f"unknown target {target!r}: llvm takes no suffix")
         return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "num-cores": num_cores()})
     if kind == "cuda":
         arch = arch or "sm_90"
         if arch not in CUDA_ARCHES:
-            raise ValueError(f"unknown CUDA arch {arch!r} in target {target!r}; choose one of {list(CUDA_ARCHES)}")
+            raise TargetError(f"unknown CUDA arch {arch!r} in target {target!r}; choose one of {list(CUDA_ARCHES)}")
         return tvm.target.Target(
             {"kind": "cuda", "arch": arch, "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
              "thread_warp_size": 32},
             host={"kind": "llvm", "mcpu": host_cpu()})
-    raise ValueError(f"unknown target {target!r}; use 'llvm', 'cuda' or 'cuda:<arch>' ({', '.join(CUDA_ARCHES)})")
+    raise TargetError(f"unknown target {target!r}; use 'llvm', 'cuda' or 'cuda:<arch>' ({', '.join(CUDA_ARCHES)})")
 
 
 def is_gpu(target: tvm.target.Target) -> bool:

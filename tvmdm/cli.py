@@ -1,0 +1,148 @@
+"""The ``tvmdm`` command line: compile, run, demo.
+
+Errors tvmdm raises on purpose are printed as one line naming what is wrong (exit 2); TVM_DEBUG=1 or
+TVMDM_DEBUG=1 shows the traceback too.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+from tvmdm.errors import TvmdmError
+
+ARTIFACT_SUFFIX = ".tvmdm"
+
+
+def _parse_shape(text: str) -> tuple[str, list[int]]:
+    """'input_ids=8x128' -> ('input_ids', [8, 128])"""
+    name, sep, dims = text.partition("=")
+    try:
+        if not sep or not name:
+            raise ValueError
+        return name, [int(d) for d in dims.replace(",", "x").split("x")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad --shape {text!r}: expected NAME=D0xD1x..., e.g. input_ids=8x128")
+
+
+def _model_arg(text: str):
+    """A path to an ONNX file or artifact, or the name of an embedded default model."""
+    from tvmdm import models
+
+    if text in models.DEFAULT_MODELS and not os.path.exists(text):
+        return models.default_model(text)
+    return text
+
+
+def _shapes(args) -> dict | None:
+    return dict(args.shape) if args.shape else None
+
+
+def _compile(args):
+    import tvmdm
+
+    return tvmdm.compile(_model_arg(args.model), target=args.target, shapes=_shapes(args), fusion=args.fusion)
+
+
+def cmd_compile(args) -> int:
+    compiled = _compile(args)
+    out = args.output or (os.path.splitext(os.path.basename(args.model))[0] + ARTIFACT_SUFFIX)
+    compiled.export(out)
+    print(f"compiled {compiled.source} for {args.target} ({', '.join(f'{k} {v:.1f}s' for k, v in compiled.timings.items())})")
+    for kind, specs in (("input", compiled.inputs), ("output", compiled.outputs)):
+        for s in specs:
+            print(f"  {kind} {s.name}: {s.dtype}{list(s.shape)}")
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    import tvmdm
+
+    if args.model.endswith(ARTIFACT_SUFFIX):
+        if args.check:
+            raise TvmdmError("--check needs the ONNX model; an artifact carries no reference")
+        runner = tvmdm.load(args.model)
+    else:
+        runner = _compile(args)
+    if args.inputs:
+        with np.load(args.inputs) as data:
+            feeds = {k: data[k] for k in data.files}
+    else:
+        feeds = tvmdm.random_inputs(runner, batch=args.batch, seq=args.seq, seed=args.seed)
+    t0 = time.perf_counter()
+    outputs = runner.run(feeds)
+    elapsed = time.perf_counter() - t0
+    for name, value in zip(runner.output_names, outputs):
+        print(f"{name}: {value.dtype}{list(value.shape)} mean {value.mean():.6g} std {value.std():.6g}")
+    print(f"ran in {elapsed * 1e3:.1f} ms")
+    if args.output:
+        np.savez(args.output, **dict(zip(runner.output_names, outputs)))
+        print(f"wrote {args.output}")
+    if args.check:
+        result = runner.check(feeds)
+        print(result)
+        return 0 if result.ok else 1
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from tvmdm.demo import run_demo
+
+    return run_demo(args.model, batch=args.batch, seq=args.seq, target=args.target)
+
+
+def _add_compile_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="llvm", help="llvm (this CPU), cuda or cuda:sm_80 (default: llvm)")
+    p.add_argument("--shape", action="append", type=_parse_shape, metavar="NAME=D0xD1",
+                   help="bind an input's shape (repeatable); unbound dims stay symbolic")
+    p.add_argument("--fusion", default="tvm", choices=["tvm", "none"], help="fusion level (default: tvm)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tvmdm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("compile", help="compile an ONNX model (or a default model name) into an artifact")
+    p.add_argument("model", help="ONNX file, or one of the embedded models (bert-base-layer, bert-small, ...)")
+    p.add_argument("-o", "--output", help=f"artifact path (default: MODEL{ARTIFACT_SUFFIX})")
+    _add_compile_options(p)
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("run", help="run an artifact or ONNX model on given or synthetic inputs")
+    p.add_argument("model", help=f"artifact (*{ARTIFACT_SUFFIX}), ONNX file or embedded model name")
+    p.add_argument("--inputs", help="npz file of inputs (default: synthetic inputs)")
+    p.add_argument("--batch", type=int, default=2, help="batch size for synthetic inputs (default 2)")
+    p.add_argument("--seq", type=int, default=8, help="sequence length for synthetic inputs (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", "-o", help="write outputs to this npz file")
+    p.add_argument("--check", action="store_true", help="compare against onnxruntime (ONNX models only)")
+    _add_compile_options(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("demo", help="compile an embedded BERT model, run it and check it against onnxruntime")
+    p.add_argument("--model", default="bert-base-layer", help="embedded model (default: bert-base-layer)")
+    p.add_argument("--batch", type=int, help="batch size (default: the model's, 8 for bert-base-layer)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the model's, 128 for bert-base-layer)")
+    p.add_argument("--target", default="llvm")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (TvmdmError, KeyError, NotImplementedError) as err:
+        if os.environ.get("TVMDM_DEBUG"):
+            raise
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"tvmdm {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

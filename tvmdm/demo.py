@@ -1,0 +1,60 @@
+"""The main job on the embedded default model: build it, compile it, run it, check it against onnxruntime."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def _median_seconds(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def run_demo(name: str = "bert-base-layer", *, batch: int | None = None, seq: int | None = None,
+             target: str = "llvm") -> int:
+    import onnxruntime as ort
+
+    import tvmdm
+    from tvmdm import models
+
+    description, cfg = models.DEFAULT_MODELS[name] if name in models.DEFAULT_MODELS else (None, None)
+    if cfg is None:
+        raise KeyError(f"unknown default model {name!r}; choose one of {sorted(models.DEFAULT_MODELS)}")
+    batch, seq = batch or cfg.batch, seq or cfg.seq
+    print(f"tvmdm demo: {name} ({description}), batch {batch}, seq {seq}, target {target}")
+    t0 = time.perf_counter()
+    proto = tvmdm.default_model(name)
+    build_s = time.perf_counter() - t0
+    compiled = tvmdm.compile(proto, target=target)
+    feeds = tvmdm.random_inputs(compiled, batch=batch, seq=seq)
+
+    print("running tvmdm (untuned kernels: slow until tuning logs are applied) ...", flush=True)
+    t0 = time.perf_counter()
+    outputs = compiled.run(feeds)
+    tvm_s = time.perf_counter() - t0
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    sess = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    reference = sess.run(compiled.output_names, feeds)
+    ort_s = _median_seconds(lambda: sess.run(compiled.output_names, feeds), repeat=5)
+    result = tvmdm.build.compare_outputs(compiled.output_names, outputs, reference, atol=1e-4, rtol=1e-4)
+
+    rows = [
+        ("build ONNX model", f"{build_s:.2f} s"),
+        ("compile (import/fuse/build)", " + ".join(f"{v:.2f}" for v in compiled.timings.values()) + " s"),
+        ("tvmdm run (first call)", f"{tvm_s * 1e3:.1f} ms"),
+        ("onnxruntime run (median of 5)", f"{ort_s * 1e3:.1f} ms"),
+        ("max abs error vs onnxruntime", f"{result.max_abs_err:.3g}"),
+        ("check (atol=rtol=1e-4)", "ok" if result.ok else "FAILED"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print("-" * (width + 16))
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}")
+    print("-" * (width + 16))
+    return 0 if result.ok else 1
