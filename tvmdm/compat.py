@@ -40,11 +40,11 @@ def _scalar_tensor_proto(array: np.ndarray):
 
 
 def _range_converter(base):
-    """TVM's Range turns a symbolic limit (e.g. the ``seq`` dim from ``Shape``) into a data-dependent
-    ``range_len`` var, so position ids stop matching (batch, seq) and later shapes are lost. Emit
-    ``relax.op.arange`` with the symbolic extent instead when start and delta are constants."""
+    """TVM's Range turns a limit that is a PrimExpr (the ``seq`` dim from ``Shape``, symbolic or bound)
+    into a data-dependent ``range_len`` var, so position ids stop matching (batch, seq) and later shapes are
+    lost. Emit ``relax.op.arange`` with that extent instead when start and delta are constants."""
     import tvm
-    from tvm import relax, tirx
+    from tvm import relax
 
     def as_prim(x, params):
         x = _frontend().get_constant(x, params)
@@ -61,8 +61,7 @@ def _range_converter(base):
         @classmethod
         def _impl_v12(cls, bb, inputs, attr, params):
             start, limit, delta = (as_prim(x, params) for x in inputs)
-            symbolic = tvm.ir.is_prim_expr(limit) and not isinstance(limit, tirx.IntImm)
-            if symbolic and isinstance(start, int) and isinstance(delta, int) and delta != 0:
+            if tvm.ir.is_prim_expr(limit) and isinstance(start, int) and isinstance(delta, int) and delta != 0:
                 dtype = str(inputs[0].ty.dtype) if isinstance(inputs[0], relax.Expr) else "int64"
                 return relax.op.arange(start, limit, delta, dtype)
             return super()._impl_v12(bb, inputs, attr, params)
@@ -104,6 +103,30 @@ def constants_as_nodes(proto):
     return out
 
 
+def _expand_converter(base):
+    """TVM's Expand compares two lists of PrimExprs with ``==`` when the target shape is a ShapeExpr, which
+    raises "Cannot use and / or / not operator to Expr" once shapes are bound (legacy BERT exports with
+    ``shapes=``). Same ONNX broadcasting, with a structural comparison."""
+    import tvm_ffi
+    from tvm import relax, tirx
+
+    class Expand(base):
+        @classmethod
+        def _impl_v13(cls, bb, inputs, attr, params):
+            data, shape = inputs[0], inputs[1]
+            if not isinstance(shape, relax.ShapeExpr):
+                return super()._impl_v13(bb, inputs, attr, params)
+            target = list(shape.values)
+            data_shape = [tirx.IntImm("int64", 1)] * (len(target) - data.ty.ndim) + list(data.ty.shape)
+            # ONNX Expand broadcasts bidirectionally: a target dim of 1 (or -1) keeps the input's dim.
+            out = [d if isinstance(t, tirx.IntImm) and t.value in (-1, 1) else t for d, t in zip(data_shape, target)]
+            if len(out) == data.ty.ndim and all(tvm_ffi.structural_equal(a, b) for a, b in zip(out, data_shape)):
+                return data
+            return relax.op.broadcast_to(data, relax.ShapeExpr(out))
+
+    return Expand
+
+
 class ConverterError(Exception):
     """A converter failed on one node; the message names the op and the node."""
 
@@ -134,5 +157,6 @@ def patch_onnx_frontend() -> None:
     fe = _frontend()
     fe.ConstantOfShape = _constant_of_shape_converter(fe.ConstantOfShape)
     fe.Range = _range_converter(fe.Range)
+    fe.Expand = _expand_converter(fe.Expand)
     fe.ONNXGraphImporter._convert_operator = _naming_convert_operator(fe.ONNXGraphImporter._convert_operator)
     _PATCHED = True

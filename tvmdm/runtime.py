@@ -9,7 +9,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from tvmdm.errors import InputError
+from tvmdm.errors import InputError, TvmdmError
 
 
 def _device_for(kind: str):
@@ -25,11 +25,21 @@ class ModelRunner:
         self.outputs = list(outputs)
         self.target_kind = target_kind
         self.index_bounds = dict(index_bounds or {})
-        self.device = _device_for(target_kind)
         self._executable = executable
-        self._vm = relax.VirtualMachine(executable, self.device)
-        self._param_names = list(params)
-        self._params = [tvm.runtime.tensor(np.asarray(v, order="C"), self.device) for v in params.values()]
+        self._host_params = {k: np.asarray(v, order="C") for k, v in params.items()}
+        # The VM and device copies are made on first use, so a CUDA module can be compiled and exported on a
+        # machine without a GPU.
+        self._vm = None
+        self._params = None
+
+    def _ensure_loaded(self):
+        if self._vm is None:
+            self.device = _device_for(self.target_kind)
+            if not self.device.exist:
+                raise TvmdmError(f"this module was compiled for {self.target_kind}, but no {self.target_kind} device "
+                                 "is present here: export it and run it on a machine that has one")
+            self._vm = relax.VirtualMachine(self._executable, self.device)
+            self._params = [tvm.runtime.tensor(v, self.device) for v in self._host_params.values()]
 
     @property
     def input_names(self) -> list[str]:
@@ -40,7 +50,9 @@ class ModelRunner:
         return [s.name for s in self.outputs]
 
     def params(self) -> dict[str, np.ndarray]:
-        return {name: p.numpy() for name, p in zip(self._param_names, self._params)}
+        if self._params is None:
+            return dict(self._host_params)
+        return {name: p.numpy() for name, p in zip(self._host_params, self._params)}
 
     def check_inputs(self, inputs) -> dict[str, np.ndarray]:
         """Return the inputs as contiguous arrays, or raise InputError naming the input, axis or value at fault."""
@@ -91,6 +103,7 @@ class ModelRunner:
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Run the model; returns the outputs as numpy arrays in the ONNX output order."""
         checked = self.check_inputs(inputs)
+        self._ensure_loaded()
         args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names]
         result = self._vm["main"](*args, *self._params)
         results = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
@@ -99,6 +112,7 @@ class ModelRunner:
     def time(self, inputs: dict[str, np.ndarray], repeat: int = 5) -> list[float]:
         """Seconds per call over ``repeat`` calls (after one warm-up), measured by TVM's time evaluator."""
         checked = self.check_inputs(inputs)
+        self._ensure_loaded()
         args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names] + self._params
         self._vm.set_input("main", *args)
         timer = self._vm.time_evaluator("invoke_stateful", self.device, number=1, repeat=repeat, min_repeat_ms=0)

@@ -1,0 +1,40 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # for hf_exports
+
+
+@pytest.fixture(scope="session")
+def hf_export(tmp_path_factory):
+    """hf_export(family, dynamo=, dynamic=, opset=) -> path of a real transformers export, made once per session."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import hf_exports
+
+    root = tmp_path_factory.mktemp("hf")
+    cache = {}
+
+    def make(family, *, dynamo=False, dynamic=True, opset=17):
+        key = (family, dynamo, dynamic, opset)
+        if key not in cache:
+            name = f"{family}-{'dynamo' if dynamo else 'legacy'}-{'dyn' if dynamic else 'static'}-op{opset}.onnx"
+            cache[key] = hf_exports.export(family, str(root / name), dynamo=dynamo, dynamic=dynamic, opset=opset)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_layer():
+    import tvmdm
+
+    return tvmdm.default_model("bert-tiny-layer")
+
+
+@pytest.fixture(scope="session")
+def tiny_compiled(tiny_layer):
+    import tvmdm
+
+    return tvmdm.compile(tiny_layer)
