@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 _PATCHED = False
+# The frontend's own converters, kept so the regression tests can show each bug is still there.
+ORIGINAL_CONVERTERS: dict = {}
 
 
 def _frontend():
@@ -155,6 +157,7 @@ def patch_onnx_frontend() -> None:
     if _PATCHED:
         return
     fe = _frontend()
+    ORIGINAL_CONVERTERS.update(ConstantOfShape=fe.ConstantOfShape, Range=fe.Range, Expand=fe.Expand)
     fe.ConstantOfShape = _constant_of_shape_converter(fe.ConstantOfShape)
     fe.Range = _range_converter(fe.Range)
     fe.Expand = _expand_converter(fe.Expand)

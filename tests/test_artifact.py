@@ -1,0 +1,77 @@
+"""Compiled.export / tvmdm.load: one file, run in a fresh process that cannot import onnx."""
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+
+import numpy as np
+import pytest
+
+import tvmdm
+
+# The child process blocks onnx and onnxruntime imports, as on a deployment machine without them.
+LOAD_AND_RUN = textwrap.dedent("""
+    import sys
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("onnx", "onnxruntime", "onnxscript", "torch"):
+                raise ImportError(f"{name} is not installed here")
+    sys.meta_path.insert(0, Block())
+    import numpy as np, tvmdm
+    runner = tvmdm.load(sys.argv[1])
+    for i, path in enumerate(sys.argv[2:]):
+        with np.load(path) as data:
+            out = runner.run({k: data[k] for k in data.files})
+        np.savez(path + ".out.npz", *out)
+    print("loaded", ",".join(runner.input_names), "->", ",".join(runner.output_names))
+""")
+
+
+def test_round_trip_in_fresh_process_without_onnx(tmp_path):
+    compiled = tvmdm.compile(tvmdm.default_model("bert-small"))
+    artifact = compiled.export(tmp_path / "bert-small.tvmdm")
+    feeds_list = [tvmdm.random_inputs(compiled, batch=2, seq=8), tvmdm.random_inputs(compiled, batch=3, seq=11, seed=1)]
+    paths = []
+    for i, feeds in enumerate(feeds_list):
+        paths.append(str(tmp_path / f"in{i}.npz"))
+        np.savez(paths[-1], **feeds)
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_RUN, artifact, *paths], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded input_ids,attention_mask,token_type_ids -> last_hidden_state" in proc.stdout
+    for feeds, path in zip(feeds_list, paths):
+        with np.load(path + ".out.npz") as out:
+            np.testing.assert_array_equal(out["arr_0"], compiled.run(feeds)[0])
+
+
+def test_artifact_is_one_file_with_manifest(tmp_path, tiny_compiled):
+    path = tiny_compiled.export(tmp_path / "tiny.tvmdm")
+    assert os.listdir(tmp_path) == ["tiny.tvmdm"]
+    with tarfile.open(path) as tar:
+        assert sorted(tar.getnames()) == ["manifest.json", "model.so", "params.npz"]
+        manifest = json.loads(tar.extractfile("manifest.json").read())
+    assert manifest["inputs"] == [{"name": "hidden_states", "shape": ["batch", "seq", 32], "dtype": "float32"},
+                                  {"name": "attention_mask", "shape": ["batch", "seq"], "dtype": "int64"}]
+    assert manifest["outputs"] == [{"name": "output", "shape": ["batch", "seq", 32], "dtype": "float32"}]
+    assert manifest["params"] == list(tiny_compiled.params())
+    loaded = tvmdm.load(path)
+    feeds = tvmdm.random_inputs(loaded, batch=2, seq=4)
+    np.testing.assert_array_equal(loaded.run(feeds)[0], tiny_compiled.run(feeds)[0])
+    with pytest.raises(tvmdm.InputError, match="input 'hidden_states' has dtype float64"):
+        loaded.run({**feeds, "hidden_states": feeds["hidden_states"].astype(np.float64)})
+
+
+def test_damaged_artifacts(tmp_path, tiny_compiled):
+    with pytest.raises(tvmdm.ArtifactError, match="artifact not found"):
+        tvmdm.load(tmp_path / "none.tvmdm")
+    junk = tmp_path / "junk.tvmdm"
+    junk.write_bytes(b"not a tar at all")
+    with pytest.raises(tvmdm.ArtifactError, match=f"{junk}: not a tvmdm artifact or damaged"):
+        tvmdm.load(junk)
+    good = tiny_compiled.export(tmp_path / "good.tvmdm")
+    cut = tmp_path / "cut.tvmdm"
+    cut.write_bytes(open(good, "rb").read()[:3000])
+    with pytest.raises(tvmdm.ArtifactError, match="not a tvmdm artifact or damaged"):
+        tvmdm.load(cut)
