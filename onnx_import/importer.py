@@ -28,7 +28,7 @@ class ImportedModel:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     source: str  # file path or proto label, for messages
-    proto: onnx.ModelProto
+    proto: "onnx.ModelProto | None"  # None when compiled from a Relax IRModule
     # Initializer name -> nodes reading it, for float weights read by more than one node: exporters
     # de-duplicate identical initializers, which would tie those parameters together in training.
     shared_initializers: dict[str, list[str]]
@@ -122,6 +122,8 @@ def _check_supported_ops(proto: onnx.ModelProto, source: str) -> None:
 def _spec_from_type(name: str, ty) -> TensorSpec:
     from tvm import tirx
 
+    if getattr(ty, "shape", None) is None:
+        raise ShapeError(f"{name}: shape unknown after import ({ty}); bind the input shapes with shapes=")
     shape = tuple(int(d) if isinstance(d, tirx.IntImm) else str(d) for d in ty.shape.values)
     return TensorSpec(name, shape, str(ty.dtype))
 
@@ -164,3 +166,30 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto", shapes: dict | Non
     outputs = [_spec_from_type(o.name, ty) for o, ty in zip(proto.graph.output, out_types)]
     return ImportedModel(mod, params, inputs, outputs, source, proto, _shared_initializers(proto),
                          _index_bounds(proto, {s.name for s in onnx_inputs}))
+
+
+def import_relax(mod, params: dict | None = None) -> ImportedModel:
+    """Wrap a Relax IRModule as an ImportedModel. ``main`` takes the inputs, then the parameters: either the
+    module carries them (``from_onnx(..., keep_params_in_input=True)`` style "params" attribute) or ``params``
+    maps the trailing parameter names to arrays. Outputs are named output_0, output_1, ..."""
+    from tvm import relax
+
+    if "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
+        raise ShapeError("IRModule has no 'main' function")
+    main = mod["main"]
+    if main.attrs is not None and "params" in main.attrs:
+        n_in = int(main.attrs["num_input"])
+        mod, detached = relax.frontend.detach_params(mod)
+        main = mod["main"]
+        params = {var.name: v.numpy() for var, v in zip(main.params[n_in:], detached["main"])}
+    params = dict(params or {})
+    n_in = len(main.params) - len(params)
+    names = [var.name for var in main.params[n_in:]]
+    if n_in < 0 or sorted(names) != sorted(params):
+        raise ShapeError(f"IRModule main's trailing parameters {names} do not match the params given "
+                         f"{sorted(params)}")
+    inputs = [_spec_from_type(var.name, var.ty) for var in main.params[:n_in]]
+    out_ty = main.ret_ty
+    out_types = list(out_ty.fields) if isinstance(out_ty, relax.TupleType) else [out_ty]
+    outputs = [_spec_from_type(f"output_{i}", ty) for i, ty in enumerate(out_types)]
+    return ImportedModel(mod, {n: params[n] for n in names}, inputs, outputs, "<IRModule>", None, {}, {})

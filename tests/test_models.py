@@ -74,3 +74,20 @@ def test_shared_initializer_is_reported():
     compiled = tvmdm.compile(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     assert compiled.imported.shared_initializers == {"w": ["/q", "/k"]}
     assert tvmdm.compile(tvmdm.default_model("bert-small")).imported.shared_initializers == {}
+
+
+def test_compile_a_relax_irmodule(tiny_layer):
+    # A user's own Relax module: main(inputs..., weights...) with the weights given as params.
+    from onnx_import import import_onnx
+
+    imported = import_onnx(tiny_layer)
+    from_onnx = tvmdm.compile(tiny_layer)
+    compiled = tvmdm.compile(imported.mod, params=imported.params)
+    assert [s.shape for s in compiled.inputs] == [("batch", "seq", 32), ("batch", "seq")]
+    assert compiled.output_names == ["output_0"]
+    feeds = tvmdm.random_inputs(compiled, batch=2, seq=5)
+    np.testing.assert_allclose(compiled.run(feeds)[0], from_onnx.run(feeds)[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(tvmdm.TvmdmError, match="compiled from an IRModule"):
+        compiled.check(feeds)
+    with pytest.raises(tvmdm.ShapeError, match="trailing parameters"):
+        tvmdm.compile(imported.mod, params={"w": np.zeros(3, np.float32)})

@@ -77,7 +77,11 @@ def load(path) -> "ModelRunner":
         lib_path = os.path.join(tmp, "model.so")
         with open(lib_path, "wb") as f:
             f.write(lib_bytes)
-        lib = runtime.load_module(lib_path)
+        try:
+            lib = runtime.load_module(lib_path)
+        except RuntimeError as err:
+            raise ArtifactError(f"{path}: compiled for {manifest['target_kind']}, but this TVM runtime cannot load "
+                                f"it here ({str(err).strip().splitlines()[-1]})") from None
     names = manifest["params"]
     params = {name: params_npz[f"p{i}"] for i, name in enumerate(names)}
     return ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],

@@ -11,6 +11,7 @@ import tvm
 from tvm import relax
 
 from tvmdm import fuse as fuse_stage
+from tvmdm.errors import ShapeError, TvmdmError
 from tvmdm.runtime import ModelRunner
 from tvmdm.target import make_target
 
@@ -81,6 +82,8 @@ class Compiled(ModelRunner):
         """Outputs of onnxruntime (CPU) on the source ONNX model."""
         import onnxruntime as ort
 
+        if self.imported.proto is None:
+            raise TvmdmError("check() compares against onnxruntime, but this model was compiled from an IRModule")
         options = ort.SessionOptions()
         options.log_severity_level = 3
         sess = ort.InferenceSession(self.imported.proto.SerializeToString(), options,
@@ -97,9 +100,11 @@ class Compiled(ModelRunner):
 
 
 def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs=None, fusion: str = "tvm",
-            **options) -> Compiled:
-    """Compile an ONNX model (path or ModelProto) for ``target``.
+            params: dict | None = None, **options) -> Compiled:
+    """Compile an ONNX model (path or ModelProto) or a Relax IRModule for ``target``.
 
+    IRModule: ``main`` takes the inputs then the weights; give the weights as ``params`` (name -> array) or
+    keep them in main's "params" attribute (``from_onnx(keep_params_in_input=True)``).
     shapes: input name -> concrete shape to bind; dims left unbound stay symbolic (one module, many shapes).
     fusion: "tvm" (stock FuseOps) or "none".
     """
@@ -107,14 +112,19 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs=Non
         raise TypeError(f"compile() got unknown options {sorted(options)}")
     if tuning_logs is not None:
         raise NotImplementedError("tuning_logs: applying tuned schedules is not available yet")
-    from onnx_import import import_onnx
+    from onnx_import import import_onnx, import_relax
     from schedules import apply_default_schedules
 
-    if isinstance(model, tvm.IRModule):
-        raise TypeError("compile() takes an ONNX path or ModelProto; IRModule input is not supported yet")
     timings = {}
     t0 = time.perf_counter()
-    imported = import_onnx(model, shapes=shapes)
+    if isinstance(model, tvm.IRModule):
+        if shapes:
+            raise ShapeError("shapes= applies to ONNX models; an IRModule carries its own shapes")
+        imported = import_relax(model, params)
+    else:
+        if params is not None:
+            raise TypeError("params= is for IRModule input; ONNX models carry their weights")
+        imported = import_onnx(model, shapes=shapes)
     timings["import"] = time.perf_counter() - t0
     tvm_target = make_target(target)
     t0 = time.perf_counter()
