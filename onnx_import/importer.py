@@ -41,7 +41,7 @@ def _onnx_dtype(elem_type: int) -> str:
     return str(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)))
 
 
-def _onnx_input_specs(proto: onnx.ModelProto) -> list[TensorSpec]:
+def onnx_input_specs(proto: onnx.ModelProto) -> list[TensorSpec]:
     initializers = {t.name for t in proto.graph.initializer}
     specs = []
     for value in proto.graph.input:
@@ -137,7 +137,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto", shapes: dict | Non
 
     compat.patch_onnx_frontend()
     proto, source = load_model_proto(model)
-    onnx_inputs = _onnx_input_specs(proto)
+    onnx_inputs = onnx_input_specs(proto)
     shapes = dict(shapes or {})
     _check_bound_shapes(onnx_inputs, shapes, source)
     _check_supported_ops(proto, source)

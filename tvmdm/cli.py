@@ -37,6 +37,27 @@ def _model_arg(text: str):
     return text
 
 
+def resolve_shapes(model, shape_args, batch: int | None, seq: int | None) -> dict | None:
+    """--shape flags, plus (batch, seq) for every other input when --batch or --seq is given.
+    An embedded model name with none of them gets its default (batch, seq)."""
+    from onnx_import.importer import onnx_input_specs
+    from onnx_import.loader import load_model_proto
+    from tvmdm import models
+    from tvmdm.inputs import concrete_shape
+
+    shapes = dict(shape_args or [])
+    if isinstance(model, str) and model in models.DEFAULT_MODELS and not os.path.exists(model) \
+            and not shapes and batch is None and seq is None:
+        batch, seq = models.default_dims(model)["batch"], models.default_dims(model)["seq"]
+    if batch is None and seq is None:
+        return shapes or None
+    proto, _ = load_model_proto(_model_arg(model) if isinstance(model, str) else model)
+    for spec in onnx_input_specs(proto):
+        if spec.name not in shapes:
+            shapes[spec.name] = concrete_shape(spec, {}, batch or 1, seq or 1)
+    return shapes
+
+
 def _shapes(args) -> dict | None:
     return dict(args.shape) if args.shape else None
 
