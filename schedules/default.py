@@ -1,20 +1,91 @@
 """Default schedules for kernels that have no tuned record.
 
 CUDA: dlight's GPU rules (every kernel needs thread bindings to run at all on a GPU).
-CPU: kernels keep the loop nests LegalizeOps wrote (correct, slow); tuned logs replace them.
+CPU: dlight.cpu only knows GEMV and reductions, so every other kernel would keep LegalizeOps' serial loop nest
+(16 s for a BERT-base layer). Our rule: fuse the leading spatial loops of each block, run them in parallel over
+the cores, and vectorize an innermost spatial loop when the block has no reduction. Tuned logs beat it by far;
+it only keeps untuned kernels from being serial.
 """
 from __future__ import annotations
 
 import tvm
+from tvm import tirx
 from tvm.s_tir import dlight as dl
+from tvm.s_tir import schedule as sch_mod
+
+VECTOR_LANES = 16  # 512-bit vectors of fp32
 
 
 def gpu_rules() -> list:
     return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
 
 
+def _vectorize_inner(sch, loop) -> None:
+    extent = sch.get(loop).extent
+    if isinstance(extent, tirx.IntImm) and extent.value % VECTOR_LANES == 0 and extent.value >= VECTOR_LANES:
+        _, lanes = sch.split(loop, [None, VECTOR_LANES])
+        sch.vectorize(lanes)
+
+
+def _schedule_block(sch, block) -> None:
+    """LegalizeOps writes one loop per iter var, spatial ones first, in iter-var order."""
+    loops = sch.get_loops(block)
+    if not loops or any(sch.get(loop).kind != tirx.ForKind.SERIAL for loop in loops):
+        return
+    iter_types = [iv.iter_type for iv in sch.get(block).iter_vars]
+    n_spatial = sum(1 for t in iter_types if t == tirx.IterVar.DataPar)
+    if len(loops) != len(iter_types) or n_spatial == 0:
+        return
+    spatial, reductions = list(loops[:n_spatial]), list(loops[n_spatial:])
+    if not reductions:
+        # Element-wise: parallel over all but the innermost dim, vector lanes along it.
+        inner = spatial.pop() if len(spatial) >= 2 else None
+        sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
+        if inner is not None:
+            _vectorize_inner(sch, inner)
+        return
+    # Reduction (matmul, softmax statistics, LayerNorm): move the innermost spatial loop inside the
+    # reduction so consecutive outputs accumulate side by side (LLVM vectorizes that contiguous loop; the
+    # vectorize primitive refuses a loop under which the reduction is not complete), parallel over the
+    # outer spatial dims.
+    inner = spatial.pop() if len(spatial) >= 2 else None
+    if inner is not None:
+        sch.reorder(*spatial, *reductions, inner)
+    sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
+    if inner is not None:
+        init = sch.decompose_reduction(block, reductions[0])
+        _vectorize_inner(sch, sch.get_loops(init)[-1])
+
+
+def cpu_default_schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Parallel (and where possible vectorized) version of an unscheduled LegalizeOps kernel."""
+    sch = sch_mod.Schedule(func)
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    # Inline element-wise producers first: fewer blocks, fewer passes over memory.
+    for name in list(names[:-1]):
+        try:
+            sch.compute_inline(sch.get_sblock(name))
+            names.remove(name)
+        except Exception:  # noqa: BLE001 - not inlinable (a reduction, several consumers): keep the block
+            pass
+    for name in names:
+        state = sch.mod
+        try:
+            _schedule_block(sch, sch.get_sblock(name))
+        except Exception:  # noqa: BLE001 - a loop nest the rule does not fit stays as LegalizeOps wrote it
+            sch = sch_mod.Schedule(state)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
 def apply_default_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """Schedule every kernel that is not scheduled yet."""
     if target.kind.name == "cuda":
         with target:
             return dl.ApplyDefaultSchedule(*gpu_rules())(mod)
+    out = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, tirx.PrimFunc) and not (func.attrs and func.attrs.get("tirx.is_scheduled", False)):
+            out[gv] = cpu_default_schedule(func.with_attr("global_symbol", gv.name_hint))
+    for gv, func in out.items():
+        mod[gv] = func
     return mod

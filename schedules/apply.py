@@ -1,0 +1,35 @@
+"""Apply shipped or user tuning logs to a fused module; report which kernels they covered."""
+from __future__ import annotations
+
+import os
+
+import tvm
+from tvm import relax, tirx
+
+from schedules.database import load_database
+
+
+def is_scheduled(func) -> bool:
+    return isinstance(func, tirx.PrimFunc) and bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
+
+
+def kernels(mod: tvm.IRModule) -> list[str]:
+    return sorted(gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc))
+
+
+def apply_tuning_logs(mod: tvm.IRModule, target: tvm.target.Target, logs) -> tuple[tvm.IRModule, list[str]]:
+    """Replace every kernel the log has a record for by its best tuned schedule.
+
+    Returns the module and the names of the kernels that got a tuned schedule. A missing or corrupt log
+    warns (naming the file and line) and applies nothing. ``logs`` is a directory or a list of them (the first
+    that has a record for a kernel wins)."""
+    dirs = [logs] if isinstance(logs, (str, os.PathLike)) else list(logs)
+    before = {name for name in kernels(mod) if is_scheduled(mod[name])}
+    for logs_dir in dirs:
+        database = load_database(os.fspath(logs_dir))
+        if database is None:
+            continue
+        with target, database:
+            mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+    applied = [name for name in kernels(mod) if is_scheduled(mod[name]) and name not in before]
+    return mod, applied

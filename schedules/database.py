@@ -1,0 +1,124 @@
+"""Tuning logs on disk: a MetaSchedule JSON database (database_workload.json + database_tuning_record.json).
+
+Loading checks every line first: a corrupt or truncated line (a tuner killed mid-write, a bad merge) gives a
+warning naming the file and line and is skipped, so compile falls back to default schedules for the kernels
+it covered instead of crashing inside TVM. A lock file keeps two tuners from appending to one log at once.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+import warnings
+
+WORKLOADS = "database_workload.json"
+RECORDS = "database_tuning_record.json"
+LOCK = ".tuning.lock"
+
+
+class TuningLogWarning(UserWarning):
+    """A tuning log line (or the whole log) could not be used; compile continues without it."""
+
+
+class LogsInUseError(RuntimeError):
+    """Another tuner holds the lock on this log directory."""
+
+
+def _read_lines(path: str, check) -> list[tuple[int, str | None]]:
+    """(line number, line or None when unusable) for each non-empty line; warns for each unusable one."""
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                check(json.loads(line))
+                out.append((number, line if line.endswith("\n") else line + "\n"))
+            except (ValueError, TypeError, IndexError, KeyError) as err:
+                warnings.warn(f"{path}:{number}: corrupt tuning log line skipped ({type(err).__name__}: "
+                              f"{str(err)[:80]})", TuningLogWarning, stacklevel=3)
+                out.append((number, None))
+    return out
+
+
+def _check_workload(entry) -> None:
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)):
+        raise ValueError("expected [hash, module]")
+
+
+def _check_record(entry) -> None:
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and isinstance(entry[1], list)):
+        raise ValueError("expected [workload index, record]")
+
+
+def clean_copy(logs_dir: str, out_dir: str) -> tuple[int, int]:
+    """Copy the usable lines of ``logs_dir``'s database into ``out_dir``, renumbering workload references
+    around dropped workload lines. Returns (workloads, records) kept."""
+    wl_lines = _read_lines(os.path.join(logs_dir, WORKLOADS), _check_workload)
+    new_index, kept_wl = {}, []
+    for old, (_, line) in enumerate(wl_lines):
+        if line is not None:
+            new_index[old] = len(kept_wl)
+            kept_wl.append(line)
+    kept_rec = []
+    rec_path = os.path.join(logs_dir, RECORDS)
+    if os.path.exists(rec_path):
+        for number, line in _read_lines(rec_path, _check_record):
+            if line is None:
+                continue
+            entry = json.loads(line)
+            if entry[0] not in new_index:
+                warnings.warn(f"{rec_path}:{number}: record refers to workload {entry[0]}, which is missing or "
+                              "corrupt; skipped", TuningLogWarning, stacklevel=2)
+                continue
+            kept_rec.append(json.dumps([new_index[entry[0]], entry[1]]) + "\n")
+    with open(os.path.join(out_dir, WORKLOADS), "w") as f:
+        f.writelines(kept_wl)
+    with open(os.path.join(out_dir, RECORDS), "w") as f:
+        f.writelines(kept_rec)
+    return len(kept_wl), len(kept_rec)
+
+
+def load_database(logs_dir: str):
+    """A read-only MetaSchedule database of the usable records in ``logs_dir``, or None (with a warning)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    logs_dir = os.fspath(logs_dir)
+    if not os.path.isfile(os.path.join(logs_dir, WORKLOADS)):
+        warnings.warn(f"{logs_dir}: no tuning log ({WORKLOADS} missing); using default schedules",
+                      TuningLogWarning, stacklevel=2)
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        clean_copy(logs_dir, tmp)
+        try:
+            on_disk = ms.database.JSONDatabase(work_dir=tmp, allow_missing=False)
+        except Exception as err:  # noqa: BLE001 - TVM raises plain errors for semantically bad records
+            warnings.warn(f"{logs_dir}: tuning log unusable ({str(err).strip().splitlines()[-1][:200]}); using "
+                          "default schedules", TuningLogWarning, stacklevel=2)
+            return None
+    # JSONDatabase reads both files into memory when constructed: the temporary copy can go.
+    return on_disk
+
+
+@contextlib.contextmanager
+def locked(logs_dir: str):
+    """Hold an exclusive lock on ``logs_dir`` for a tuning run; a second tuner fails at once, clearly."""
+    os.makedirs(logs_dir, exist_ok=True)
+    path = os.path.join(logs_dir, LOCK)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise LogsInUseError(f"{logs_dir} is being tuned by another process ({f.read().strip() or 'unknown'}); "
+                                 "wait for it or use another --logs directory") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

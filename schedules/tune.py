@@ -1,0 +1,194 @@
+"""Tune the fused kernels of a model with MetaSchedule (XGBoost cost model) and write the records to a log.
+
+    python -m schedules.tune MODEL --target llvm --trials 400 --logs tuning_logs/<name>
+    tvmdm tune MODEL ...                       (the same)
+
+MODEL is an ONNX file or an embedded model name. The tasks are the kernels ``tvmdm.compile`` builds with the
+same --fusion and --shape options, so the log applies to them. Resumable: --trials is the total wanted in the
+log; a rerun only runs what is missing, and every measured batch is appended to the log at once, so an
+interrupt loses at most the batch in flight. A lock keeps a second tuner off the same log.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from schedules.database import RECORDS, WORKLOADS, locked
+
+
+def extract_tasks(model, target, shapes=None, fusion="tvm"):
+    """(tuning tasks, the compile target) for ``model`` as tvmdm.compile would build it."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from onnx_import import import_onnx
+    from tvmdm import fuse
+    from tvmdm.target import make_target
+
+    tvm_target = make_target(target)
+    imported = import_onnx(model, shapes=shapes)
+    symbolic = [f"{spec.name}{list(spec.shape)}" for spec in imported.inputs
+                if any(isinstance(d, str) for d in spec.shape)]
+    if symbolic:
+        raise ValueError(f"inputs {symbolic} have symbolic dims: bind them (--batch/--seq or --shape NAME=D0xD1); "
+                         "tuning measures one concrete size")
+    mod = fuse.fuse(imported.mod, fusion)
+    return ms.relax_integration.extract_tasks(mod, tvm_target), tvm_target
+
+
+def existing_trials(logs_dir: str, tasks) -> list[int]:
+    """Records already in the log for each task (0 where the log lacks it)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    if not os.path.isfile(os.path.join(logs_dir, WORKLOADS)):
+        return [0] * len(tasks)
+    db = ms.database.JSONDatabase(work_dir=logs_dir)
+    counts = []
+    for task in tasks:
+        mod = task.dispatched[0]
+        counts.append(len(db.get_top_k(db.commit_workload(mod), 1 << 30)) if db.has_workload(mod) else 0)
+    return counts
+
+
+class Progress:
+    """Trials done, best latency per task and ETA, on one refreshed line (a line per batch when not a tty)."""
+
+    def __init__(self, task_names, total: int, stream=sys.stderr):
+        self.names = task_names
+        self.total = max(total, 1)
+        self.best = [float("inf")] * len(task_names)
+        self.done = 0
+        self.start = time.perf_counter()
+        self.stream = stream
+
+    def update(self, task_id: int, run_secs: list[float]) -> None:
+        self.done += len(run_secs)
+        valid = [s for s in run_secs if s < float("inf")]
+        if valid:
+            self.best[task_id] = min(self.best[task_id], min(valid))
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / self.done * max(self.total - self.done, 0)
+        width = 24
+        filled = int(width * min(self.done / self.total, 1.0))
+        best = self.best[task_id]
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} trials  "
+                f"{self.names[task_id][:40]}: best {best * 1e3:.3f} ms  elapsed {elapsed:.0f}s  ETA {eta:.0f}s")
+        end = "\r" if self.stream.isatty() else "\n"
+        self.stream.write(line + end)
+        self.stream.flush()
+
+    def summary(self) -> str:
+        rows = [f"  {name}: {'untuned' if b == float('inf') else f'{b * 1e3:.3f} ms'}"
+                for name, b in zip(self.names, self.best)]
+        return "best per task (this run):\n" + "\n".join(rows)
+
+
+def _progress_callback(progress: Progress):
+    from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
+    from tvm.ir.utils import derived_object
+
+    @derived_object
+    class ProgressCallback(PyMeasureCallback):
+        def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+            secs = []
+            for result in runner_results:
+                if result.error_msg is None and result.run_secs:
+                    secs.append(sum(float(s) for s in result.run_secs) / len(result.run_secs))
+                else:
+                    secs.append(float("inf"))
+            progress.update(task_id, secs)
+
+    return ProgressCallback()
+
+
+def make_builder(timeout_s: int = 120):
+    """LocalBuilder whose workers get the TVMScript parsing fix first (otherwise each worker spends 20-50 s
+    importing tensor intrinsics; see tvmdm.compat.speed_up_tvmscript_parsing)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvmdm import compat
+    from tvmdm.target import num_cores
+
+    return ms.builder.LocalBuilder(max_workers=num_cores(), timeout_sec=timeout_s,
+                                   initializer=compat.speed_up_tvmscript_parsing)
+
+
+def make_runner(rpc_tracker: str | None, rpc_key: str | None, timeout_s: int = 30):
+    from tvm.s_tir import meta_schedule as ms
+
+    if rpc_tracker is None:
+        return "local"
+    host, _, port = rpc_tracker.rpartition(":")
+    if not host or not port.isdigit() or not rpc_key:
+        raise ValueError(f"--rpc-tracker must be HOST:PORT and --rpc-key given (got {rpc_tracker!r}, {rpc_key!r})")
+    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=rpc_key,
+                                 session_timeout_sec=timeout_s)
+    return ms.runner.RPCRunner(rpc_config=config, evaluator_config=ms.runner.EvaluatorConfig(
+        number=3, repeat=1, min_repeat_ms=50, enable_cpu_cache_flush=False))
+
+
+def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusion="tvm", per_iter: int = 8,
+         rpc_tracker=None, rpc_key=None, seed: int | None = 0, stream=sys.stderr) -> dict:
+    """Tune until the log holds ``trials`` records for the model's tasks. Returns a summary dict."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvmdm.target import num_cores
+
+    tasks, tvm_target = extract_tasks(model, target, shapes, fusion)
+    names = [t.task_name for t in tasks]
+    with locked(logs):
+        have = existing_trials(logs, [t for t in tasks])
+        remaining = trials - sum(have)
+        stream.write(f"{len(tasks)} tasks; {sum(have)} trials already in {logs}; running {max(remaining, 0)}\n")
+        if remaining <= 0:
+            return {"tasks": names, "trials_run": 0, "trials_in_log": sum(have)}
+        progress = Progress(names, remaining, stream)
+        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+            tasks, logs, strategy="evolutionary", num_threads=num_cores(), seed=seed)
+        database = ms.database.JSONDatabase(work_dir=logs)
+        callbacks = ms.measure_callback.MeasureCallback.create("default") + [_progress_callback(progress)]
+        ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=logs,
+                      max_trials_global=remaining, num_trials_per_iter=per_iter, database=database,
+                      builder=make_builder(), runner=make_runner(rpc_tracker, rpc_key), cost_model="xgb", measure_callbacks=callbacks)
+        stream.write("\n" + progress.summary() + "\n")
+        return {"tasks": names, "trials_run": progress.done, "trials_in_log": sum(have) + progress.done,
+                "best_ms": dict(zip(names, [b * 1e3 for b in progress.best]))}
+
+
+def _parse_shape(text):
+    from tvmdm.cli import _parse_shape as parse
+
+    return parse(text)
+
+
+def build_parser(parser=None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="python -m schedules.tune", description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="ONNX file or embedded model name (bert-base-layer, ...)")
+    parser.add_argument("--logs", required=True, help="log directory (MetaSchedule JSON database)")
+    parser.add_argument("--target", default="llvm", help="llvm, cuda or cuda:sm_80 (default llvm)")
+    parser.add_argument("--trials", type=int, default=64, help="total trials wanted in the log (default 64)")
+    parser.add_argument("--per-iter", type=int, default=8, help="trials per task per round (default 8)")
+    parser.add_argument("--shape", action="append", default=[], type=_parse_shape, metavar="NAME=D0xD1",
+                        help="bind an input shape")
+    parser.add_argument("--batch", type=int, help="bind every (batch, seq) input's batch dim")
+    parser.add_argument("--seq", type=int, help="bind every (batch, seq) input's seq dim")
+    parser.add_argument("--fusion", default="tvm", choices=["tvm", "none"])
+    parser.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on RPC servers through this tracker")
+    parser.add_argument("--rpc-key", help="device key the RPC servers registered with")
+    return parser
+
+
+def main(argv=None, args=None) -> int:
+    from tvmdm.cli import resolve_shapes, _model_arg
+
+    args = args or build_parser().parse_args(argv)
+    shapes = resolve_shapes(args.model, args.shape, args.batch, args.seq)
+    model = _model_arg(args.model)
+    tune(model, logs=args.logs, target=args.target, trials=args.trials, shapes=shapes, fusion=args.fusion,
+         per_iter=args.per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
