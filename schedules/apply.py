@@ -8,6 +8,25 @@ from tvm import relax, tirx
 
 from schedules.database import load_database
 
+SHIPPED_LOGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tuning_logs")
+META = "meta.json"
+
+
+def shipped_logs(target_kind: str) -> list[str]:
+    """The shipped log directories tuned for ``target_kind`` (their meta.json says which)."""
+    import json
+
+    if not os.path.isdir(SHIPPED_LOGS):
+        return []
+    found = []
+    for name in sorted(os.listdir(SHIPPED_LOGS)):
+        meta = os.path.join(SHIPPED_LOGS, name, META)
+        if os.path.isfile(meta):
+            with open(meta) as f:
+                if json.load(f).get("target_kind") == target_kind:
+                    found.append(os.path.join(SHIPPED_LOGS, name))
+    return found
+
 
 def is_scheduled(func) -> bool:
     return isinstance(func, tirx.PrimFunc) and bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))

@@ -54,7 +54,7 @@ def existing_trials(logs_dir: str, tasks) -> list[int]:
 class Progress:
     """Trials done, best latency per task and ETA, on one refreshed line (a line per batch when not a tty)."""
 
-    def __init__(self, task_names, total: int, stream=sys.stderr):
+    def __init__(self, task_names, total: int, stream):
         self.names = task_names
         self.total = max(total, 1)
         self.best = [float("inf")] * len(task_names)
@@ -129,12 +129,13 @@ def make_runner(rpc_tracker: str | None, rpc_key: str | None, timeout_s: int = 3
 
 
 def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusion="tvm", per_iter: int = 8,
-         rpc_tracker=None, rpc_key=None, seed: int | None = 0, stream=sys.stderr) -> dict:
+         rpc_tracker=None, rpc_key=None, seed: int | None = 0, stream=None, name: str | None = None) -> dict:
     """Tune until the log holds ``trials`` records for the model's tasks. Returns a summary dict."""
     from tvm.s_tir import meta_schedule as ms
 
     from tvmdm.target import num_cores
 
+    stream = stream or sys.stderr
     tasks, tvm_target = extract_tasks(model, target, shapes, fusion)
     names = [t.task_name for t in tasks]
     with locked(logs):
@@ -152,6 +153,8 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
                       max_trials_global=remaining, num_trials_per_iter=per_iter, database=database,
                       builder=make_builder(), runner=make_runner(rpc_tracker, rpc_key), cost_model="xgb", measure_callbacks=callbacks)
         stream.write("\n" + progress.summary() + "\n")
+        _write_meta(logs, name or model, tvm_target, shapes, fusion, sum(have) + progress.done,
+                    time.perf_counter() - progress.start)
         return {"tasks": names, "trials_run": progress.done, "trials_in_log": sum(have) + progress.done,
                 "best_ms": dict(zip(names, [b * 1e3 for b in progress.best]))}
 
@@ -160,6 +163,30 @@ def _parse_shape(text):
     from tvmdm.cli import _parse_shape as parse
 
     return parse(text)
+
+
+def _write_meta(logs, model, target, shapes, fusion, trials: int, seconds: float) -> None:
+    """meta.json beside the database: what was tuned, for which target, and how long it took (cumulative)."""
+    import json
+    import platform
+
+    from schedules.apply import META
+
+    path = os.path.join(logs, META)
+    previous = json.load(open(path)) if os.path.isfile(path) else {}
+    meta = {
+        "model": model if isinstance(model, str) else getattr(getattr(model, "graph", None), "name", "model"),
+        "target_kind": target.kind.name,
+        "target": str(target),
+        "shapes": {k: list(v) for k, v in (shapes or {}).items()},
+        "fusion": fusion,
+        "trials": trials,
+        "tuning_seconds": round(previous.get("tuning_seconds", 0.0) + seconds, 1),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
+    }
+    with open(path + ".tmp", "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def build_parser(parser=None) -> argparse.ArgumentParser:
@@ -186,7 +213,7 @@ def main(argv=None, args=None) -> int:
     shapes = resolve_shapes(args.model, args.shape, args.batch, args.seq)
     model = _model_arg(args.model)
     tune(model, logs=args.logs, target=args.target, trials=args.trials, shapes=shapes, fusion=args.fusion,
-         per_iter=args.per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
+         per_iter=args.per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, name=args.model)
     return 0
 
 

@@ -66,13 +66,16 @@ def compare_outputs(names, got, ref, atol: float, rtol: float) -> CheckResult:
 class Compiled(ModelRunner):
     """A compiled model. ``run`` executes it; ``check`` compares with onnxruntime; ``export`` writes an artifact."""
 
-    def __init__(self, executable, imported, target, fusion: str, timings: dict[str, float]):
+    def __init__(self, executable, imported, target, fusion: str, timings: dict[str, float],
+                 kernels: list[str], tuned_kernels: list[str]):
         super().__init__(executable, inputs=imported.inputs, outputs=imported.outputs, params=imported.params,
                          target_kind=target.kind.name, index_bounds=imported.index_bounds)
         self.imported = imported
         self.target = target
         self.fusion = fusion
         self.timings = timings
+        self.kernels = kernels  # every TIR kernel of the module
+        self.tuned_kernels = tuned_kernels  # those that got a schedule from the tuning logs
 
     @property
     def source(self) -> str:
@@ -99,7 +102,7 @@ class Compiled(ModelRunner):
         return export_artifact(self, path)
 
 
-def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs=None, fusion: str = "tvm",
+def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="shipped", fusion: str = "tvm",
             params: dict | None = None, **options) -> Compiled:
     """Compile an ONNX model (path or ModelProto) or a Relax IRModule for ``target``.
 
@@ -107,13 +110,15 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs=Non
     keep them in main's "params" attribute (``from_onnx(keep_params_in_input=True)``).
     shapes: input name -> concrete shape to bind; dims left unbound stay symbolic (one module, many shapes).
     fusion: "tvm" (stock FuseOps) or "none".
+    tuning_logs: "shipped" (the logs in tuning_logs/ tuned for this target kind), a log directory or a list
+    of them, or None. Kernels without a record get our default schedule. Tuned records are for static
+    shapes: bind ``shapes`` to the tuned (batch, seq) to use them.
     """
     if options:
         raise TypeError(f"compile() got unknown options {sorted(options)}")
-    if tuning_logs is not None:
-        raise NotImplementedError("tuning_logs: applying tuned schedules is not available yet")
     from onnx_import import import_onnx, import_relax
-    from schedules import apply_default_schedules
+    from schedules import apply_default_schedules, apply_tuning_logs, shipped_logs
+    from schedules.apply import kernels
 
     timings = {}
     t0 = time.perf_counter()
@@ -129,11 +134,17 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs=Non
     tvm_target = make_target(target)
     t0 = time.perf_counter()
     mod = fuse_stage.fuse(imported.mod, fusion)
+    if tuning_logs == "shipped":
+        tuning_logs = shipped_logs(tvm_target.kind.name)
+    tuned = []
+    if tuning_logs:
+        mod, tuned = apply_tuning_logs(mod, tvm_target, tuning_logs)
+    all_kernels = kernels(mod)
     mod = apply_default_schedules(mod, tvm_target)
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     executable = relax.build(mod, target=tvm_target)
     timings["build"] = time.perf_counter() - t0
-    log.info("compiled %s for %s: %s", imported.source, tvm_target.kind.name,
-             ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    return Compiled(executable, imported, tvm_target, fusion, timings)
+    log.info("compiled %s for %s: %d/%d kernels tuned; %s", imported.source, tvm_target.kind.name, len(tuned),
+             len(all_kernels), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    return Compiled(executable, imported, tvm_target, fusion, timings, all_kernels, tuned)

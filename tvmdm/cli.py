@@ -1,4 +1,4 @@
-"""The ``tvmdm`` command line: compile, run, demo.
+"""The ``tvmdm`` command line: compile, run, tune, demo.
 
 Errors tvmdm raises on purpose are printed as one line naming what is wrong (exit 2); TVM_DEBUG=1 or
 TVMDM_DEBUG=1 shows the traceback too.
@@ -110,6 +110,12 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from schedules import tune
+
+    return tune.main(args=args)
+
+
 def cmd_demo(args) -> int:
     from tvmdm.demo import run_demo
 
@@ -143,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="compare against onnxruntime (ONNX models only)")
     _add_compile_options(p)
     p.set_defaults(func=cmd_run)
+
+    from schedules import tune
+
+    p = sub.add_parser("tune", help="tune the model's kernels with MetaSchedule into a log directory")
+    tune.build_parser(p)
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("demo", help="compile an embedded BERT model, run it and check it against onnxruntime")
     p.add_argument("--model", default="bert-base-layer", help="embedded model (default: bert-base-layer)")
