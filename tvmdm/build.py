@@ -67,7 +67,7 @@ class Compiled(ModelRunner):
     """A compiled model. ``run`` executes it; ``check`` compares with onnxruntime; ``export`` writes an artifact."""
 
     def __init__(self, executable, imported, target, fusion: str, timings: dict[str, float],
-                 kernels: list[str], tuned_kernels: list[str]):
+                 kernels: list[str], tuned_kernels: list[str], mod):
         super().__init__(executable, inputs=imported.inputs, outputs=imported.outputs, params=imported.params,
                          target_kind=target.kind.name, index_bounds=imported.index_bounds)
         self.imported = imported
@@ -76,6 +76,7 @@ class Compiled(ModelRunner):
         self.timings = timings
         self.kernels = kernels  # every TIR kernel of the module
         self.tuned_kernels = tuned_kernels  # those that got a schedule from the tuning logs
+        self.mod = mod  # the fused, scheduled IRModule that was built (for analysis and profiling)
 
     @property
     def source(self) -> str:
@@ -147,4 +148,4 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     timings["build"] = time.perf_counter() - t0
     log.info("compiled %s for %s: %d/%d kernels tuned; %s", imported.source, tvm_target.kind.name, len(tuned),
              len(all_kernels), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    return Compiled(executable, imported, tvm_target, fusion, timings, all_kernels, tuned)
+    return Compiled(executable, imported, tvm_target, fusion, timings, all_kernels, tuned, mod)

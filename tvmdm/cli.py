@@ -1,4 +1,4 @@
-"""The ``tvmdm`` command line: compile, run, tune, demo.
+"""The ``tvmdm`` command line: compile, run, tune, bench, demo.
 
 Errors tvmdm raises on purpose are printed as one line naming what is wrong (exit 2); TVM_DEBUG=1 or
 TVMDM_DEBUG=1 shows the traceback too.
@@ -116,6 +116,14 @@ def cmd_tune(args) -> int:
     return tune.main(args=args)
 
 
+def cmd_bench(args) -> int:
+    from tvmdm.bench import run_bench
+
+    run_bench(args.model, batch=args.batch, seq=args.seq, target=args.target, repeat=args.repeat,
+              untuned=args.untuned, kernels=not args.no_kernels, json_path=args.json)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from tvmdm.demo import run_demo
 
@@ -155,6 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tune", help="tune the model's kernels with MetaSchedule into a log directory")
     tune.build_parser(p)
     p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("bench", help="median latency of tvmdm vs onnxruntime (same threads), per-kernel GFLOP/s")
+    p.add_argument("model", nargs="?", default="bert-base-layer", help="ONNX file or embedded model name")
+    p.add_argument("--batch", type=int, help="batch (default: the embedded model's)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the embedded model's)")
+    p.add_argument("--target", default="llvm")
+    p.add_argument("--repeat", type=int, default=10, help="timed runs per system (median reported)")
+    p.add_argument("--untuned", action="store_true", help="also time tvmdm without tuning logs")
+    p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel table")
+    p.add_argument("--json", help="write the results as JSON")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="compile an embedded BERT model, run it and check it against onnxruntime")
     p.add_argument("--model", default="bert-base-layer", help="embedded model (default: bert-base-layer)")
