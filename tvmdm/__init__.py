@@ -3,9 +3,11 @@
 Public API:
     compile(model, *, target="llvm", shapes=None, tuning_logs=None, fusion="tvm") -> Compiled
     load(path) -> runner of an exported artifact (no onnx needed)
+    analyze(model_or_compiled, fusion=, shapes=, measure=) -> Report: per-kernel flops / bytes / class
     default_model(name), default_dims(name): the embedded BERT models (ONNX, seeded weights)
     random_inputs(compiled, batch=, seq=): synthetic inputs for any compiled or loaded model
 """
+from tvmdm.analysis import Report, analyze
 from tvmdm.artifact import load
 from tvmdm.build import CheckResult, Compiled, compile
 from tvmdm.inputs import random_inputs
@@ -16,7 +18,7 @@ from tvmdm.spec import TensorSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "compile", "load", "Compiled", "CheckResult", "TensorSpec",
+    "compile", "load", "analyze", "Report", "Compiled", "CheckResult", "TensorSpec",
     "TvmdmError", "ModelLoadError", "UnsupportedOperatorError", "ShapeError", "TargetError", "InputError", "ArtifactError",
     "default_model", "default_dims", "random_inputs", "DEFAULT_MODELS",
 ]

@@ -134,7 +134,8 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     timings["import"] = time.perf_counter() - t0
     tvm_target = make_target(target)
     t0 = time.perf_counter()
-    mod = fuse_stage.fuse(imported.mod, fusion)
+    provenance: dict[str, list[str]] = {}
+    mod = fuse_stage.fuse(imported.mod, fusion, provenance)
     if tuning_logs == "shipped":
         tuning_logs = shipped_logs(tvm_target.kind.name)
     tuned = []
@@ -148,4 +149,6 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     timings["build"] = time.perf_counter() - t0
     log.info("compiled %s for %s: %d/%d kernels tuned; %s", imported.source, tvm_target.kind.name, len(tuned),
              len(all_kernels), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    return Compiled(executable, imported, tvm_target, fusion, timings, all_kernels, tuned, mod)
+    compiled = Compiled(executable, imported, tvm_target, fusion, timings, all_kernels, tuned, mod)
+    compiled.kernel_ops = {k: provenance.get(k, [fuse_stage.op_name(k)]) for k in all_kernels}
+    return compiled

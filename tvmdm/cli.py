@@ -1,4 +1,4 @@
-"""The ``tvmdm`` command line: compile, run, tune, bench, demo.
+"""The ``tvmdm`` command line: compile, run, tune, bench, analyze, demo.
 
 Errors tvmdm raises on purpose are printed as one line naming what is wrong (exit 2); TVM_DEBUG=1 or
 TVMDM_DEBUG=1 shows the traceback too.
@@ -124,6 +124,28 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_analyze(args) -> int:
+    from tvmdm import analysis as A
+
+    shapes = resolve_shapes(args.model, args.shape, args.batch, args.seq)
+    model = _model_arg(args.model)
+    reports = [A.analyze(model, fusion=f, shapes=shapes, measure=args.measure) for f in args.fusion.split(",")]
+    text = A.dump(reports, args.format)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+        print(f"wrote {args.output}")
+    else:
+        print(text)
+    if args.plot:
+        from tvmdm.profile import gemm_peak_gflops
+
+        peak = gemm_peak_gflops() if args.measure else None
+        bandwidth = A.memory_bandwidth_gbs() if args.measure else None
+        print(f"wrote {A.plot(reports, args.plot, peak, bandwidth)}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from tvmdm.demo import run_demo
 
@@ -174,6 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel table")
     p.add_argument("--json", help="write the results as JSON")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("analyze", help="per-kernel flops / bytes / class report, fusion levels compared")
+    p.add_argument("model", help="ONNX file or embedded model name")
+    p.add_argument("--fusion", default="none,tvm", help="comma-separated fusion levels (first is the baseline)")
+    p.add_argument("--format", default="md", choices=["md", "csv", "json"])
+    p.add_argument("--output", "-o", help="write the report here instead of stdout")
+    p.add_argument("--plot", help="write a roofline + bytes-by-class plot (PNG)")
+    p.add_argument("--measure", action="store_true", help="time every kernel (static shapes; slow on big models)")
+    p.add_argument("--shape", action="append", type=_parse_shape, metavar="NAME=D0xD1")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seq", type=int)
+    p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("demo", help="compile an embedded BERT model, run it and check it against onnxruntime")
     p.add_argument("--model", default="bert-base-layer", help="embedded model (default: bert-base-layer)")

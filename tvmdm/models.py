@@ -78,9 +78,11 @@ class _GraphBuilder:
         return out
 
     def linear(self, x: str, scope: str, fan_in: int, fan_out: int) -> str:
+        # Add(bias, MatMul), in that order, as torch's exporter writes nn.Linear: the fused kernels are then
+        # structurally the same as a user's export and the same tuning records apply to both.
         w = self.weight(f"{scope}.weight", [fan_in, fan_out])
         b = self.weight(f"{scope}.bias", [fan_out])
-        return self.op("Add", [self.op("MatMul", [x, w], scope), b], scope)
+        return self.op("Add", [b, self.op("MatMul", [x, w], scope)], scope)
 
     def layer_norm(self, x: str, scope: str, hidden: int, eps: float) -> str:
         gamma = self.weight(f"{scope}.weight", [hidden], std=0.02, mean=1.0)
@@ -101,7 +103,7 @@ def _encoder_layer(g: _GraphBuilder, x: str, mask: str, cfg: BertConfig, prefix:
     q = heads(x, "query", [0, 2, 1, 3])
     k = heads(x, "key", [0, 2, 3, 1])
     v = heads(x, "value", [0, 2, 1, 3])
-    scores = g.op("Div", [g.op("MatMul", [q, k], prefix), g.const(math.sqrt(d), np.float32)], prefix)
+    scores = g.op("Mul", [g.op("MatMul", [q, k], prefix), g.const(1.0 / math.sqrt(d), np.float32)], prefix)
     probs = g.op("Softmax", [g.op("Add", [scores, mask], prefix)], prefix, axis=-1)
     ctx = g.op("Transpose", [g.op("MatMul", [probs, v], prefix)], prefix, perm=[0, 2, 1, 3])
     ctx = g.op("Reshape", [ctx, merge_heads], prefix)
