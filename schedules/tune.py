@@ -133,6 +133,7 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
     """Tune until the log holds ``trials`` records for the model's tasks. Returns a summary dict."""
     from tvm.s_tir import meta_schedule as ms
 
+    from tvmdm import compat
     from tvmdm.target import num_cores
 
     stream = stream or sys.stderr
@@ -145,6 +146,7 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
         if remaining <= 0:
             return {"tasks": names, "trials_run": 0, "trials_in_log": sum(have)}
         progress = Progress(names, remaining, stream)
+        compat.reset_metaschedule_logging()
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
             tasks, logs, strategy="evolutionary", num_threads=num_cores(), seed=seed)
         database = ms.database.JSONDatabase(work_dir=logs)

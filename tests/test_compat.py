@@ -155,3 +155,17 @@ def test_converter_errors_name_the_node():
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     with pytest.raises(compat.ConverterError, match=r"cannot convert Reshape node '/my/reshape' \(opset 17\)"):
         _from_onnx(compat.constants_as_nodes(model), keep_params_in_input=True)
+
+
+def test_metaschedule_logging_survives_foreign_handlers(tmp_path):
+    import logging
+
+    from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
+
+    logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    logger.addHandler(logging.NullHandler())  # unnamed, as a harness or another library may leave one
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'format'"):
+        get_loggers_from_work_dir(str(tmp_path), ["task"])
+    compat.reset_metaschedule_logging()
+    assert get_loggers_from_work_dir(str(tmp_path), ["task"])
+    compat.reset_metaschedule_logging()

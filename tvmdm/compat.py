@@ -165,6 +165,19 @@ def speed_up_tvmscript_parsing() -> None:
         importlib.import_module(name).inspect = proxy
 
 
+def reset_metaschedule_logging() -> None:
+    """MetaSchedule's logging setup lists the names of the handlers already on its logger; a handler without
+    a name (one added by another library or a test harness, or left by a previous tuning run in the same
+    process) makes it fail with "'NoneType' object has no attribute 'format'". It re-creates its own
+    handlers, so clear them before each tuning run."""
+    import logging
+
+    logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+
+
 class ConverterError(Exception):
     """A converter failed on one node; the message names the op and the node."""
 
