@@ -209,13 +209,19 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
 
 
 def main(argv=None, args=None) -> int:
-    from tvmdm.cli import resolve_shapes, _model_arg
+    from tvmdm.cli import _model_arg, resolve_shapes
 
     args = args or build_parser().parse_args(argv)
     shapes = resolve_shapes(args.model, args.shape, args.batch, args.seq)
-    model = _model_arg(args.model)
-    tune(model, logs=args.logs, target=args.target, trials=args.trials, shapes=shapes, fusion=args.fusion,
-         per_iter=args.per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, name=args.model)
+    try:
+        tune(_model_arg(args.model), logs=args.logs, target=args.target, trials=args.trials, shapes=shapes,
+             fusion=args.fusion, per_iter=args.per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key,
+             name=args.model)
+    except KeyboardInterrupt:
+        # Every joined batch is already in the log; only the batches in flight are lost.
+        print(f"\ninterrupted: the records measured so far are in {args.logs}; rerun the same command to "
+              "continue", file=sys.stderr)
+        return 130
     return 0
 
 
