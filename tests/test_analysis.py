@@ -28,12 +28,17 @@ def test_contraction_flops_match_closed_forms(reports):
 
 def test_fused_contraction_flops_add_their_epilogues(reports):
     none, tvm = reports["none"], reports["tvm"]
-    # Fusion removes no flop; it may add a few: an inlined broadcast producer (the mask's (1 - m) * min) is
-    # recomputed for every score element instead of once per (batch, seq).
-    assert none.total_flops <= tvm.total_flops <= none.total_flops * 1.01
+    # Fusion removes no flop; it may add some: an inlined broadcast producer (the mask's (1 - m) * min) is
+    # recomputed for every score element instead of once per (batch, seq), and the flop estimate of the fused
+    # fast_erf polynomial differs from the stand-alone kernel's.
+    assert none.total_flops <= tvm.total_flops <= none.total_flops * 1.2
     contraction = sum(r.flops for r in tvm.rows if r.op_class == "tensor contraction")
     pure = sum(r.flops for r in none.rows if r.ops == ["matmul"])
-    assert pure < contraction < pure * 1.05
+    # Epilogues: bias, residual, and GELU's fast_erf polynomial (~40 flop per element: large next to a K=32
+    # contraction; small at BERT-base sizes). TVM's estimate counts the polynomial about twice inside the
+    # fused FFN kernel (188416 vs 146432 for its parts here), hence the loose upper bound.
+    epilogue = sum(r.flops for r in none.rows if r.ops in (["add"], ["fast_erf"], ["multiply"], ["divide"]))
+    assert pure < contraction <= pure + 2 * epilogue
 
 
 def test_bytes_are_tensor_sizes_at_kernel_boundaries(reports):
@@ -42,7 +47,7 @@ def test_bytes_are_tensor_sizes_at_kernel_boundaries(reports):
     # reads x (B,S,H) and W (H,H), writes (B,S,H), fp32
     assert first_projection.bytes_read == 4 * (B * S * H + H * H)
     assert first_projection.bytes_written == 4 * B * S * H
-    softmax = next(r for r in rows if r.ops == ["softmax"])
+    softmax = next(r for r in rows if r.ops == ["fast_softmax"])
     assert softmax.bytes_read == softmax.bytes_written == 4 * B * HEADS * S * S
     layer_norm = next(r for r in rows if r.ops == ["layer_norm"])
     assert layer_norm.bytes_read == 4 * (B * S * H + 2 * H) and layer_norm.bytes_written == 4 * B * S * H
@@ -56,12 +61,13 @@ def test_fusion_reduces_data_movement_and_classes_add_up(reports):
     totals = reports["tvm"].totals()
     assert sum(t["flop_pct"] for t in totals.values()) == pytest.approx(100)
     assert sum(t["bytes_pct"] for t in totals.values()) == pytest.approx(100)
-    assert totals["tensor contraction"]["flop_pct"] > 90  # the paper: contractions hold >99% of flop at scale
+    # The paper: contractions hold >99% of flop at BERT-large sizes; at H=32 the softmax and GELU polynomials weigh more.
+    assert totals["tensor contraction"]["flop_pct"] > 80
 
 
 def test_classes(reports):
     assert analysis.classify(["matmul", "add", "erf"]) == "tensor contraction"
-    assert analysis.classify(["softmax"]) == "statistical normalization"
+    assert analysis.classify(["softmax"]) == analysis.classify(["fast_softmax"]) == "statistical normalization"
     assert analysis.classify(["reshape", "transpose"]) == "element-wise"
     assert {r.op_class for r in reports["none"].rows} == set(analysis.CLASSES)
 

@@ -18,7 +18,7 @@ from tvmdm.errors import TvmdmError
 from tvmdm.profile import kernel_flops
 
 CONTRACTION_OPS = {"matmul", "einsum", "dense", "conv1d", "conv2d", "batch_matmul"}
-NORMALIZATION_OPS = {"softmax", "layer_norm", "log_softmax", "group_norm", "rms_norm", "mean", "variance", "sum",
+NORMALIZATION_OPS = {"softmax", "fast_softmax", "layer_norm", "log_softmax", "group_norm", "rms_norm", "mean", "variance", "sum",
                      "max", "min", "std", "batch_norm"}
 CLASSES = ("tensor contraction", "statistical normalization", "element-wise")
 

@@ -1,0 +1,51 @@
+"""The tuning log shipped for the BERT-base layer applies at compile: to our embedded layer and to the same
+layer exported by a user from HF transformers (the kernels are structurally the same)."""
+import os
+
+import pytest
+
+import tvmdm
+from schedules import shipped_logs
+
+SHAPES = {"hidden_states": [8, 128, 768], "attention_mask": [8, 128]}
+
+pytestmark = pytest.mark.skipif(not shipped_logs("llvm"), reason="no shipped llvm tuning log")
+
+
+def test_every_kernel_of_the_base_layer_is_tuned():
+    compiled = tvmdm.compile(tvmdm.default_model("bert-base-layer"), shapes=SHAPES)
+    assert sorted(compiled.tuned_kernels) == sorted(compiled.kernels)
+    result = compiled.check(tvmdm.random_inputs(compiled, batch=8, seq=128))
+    assert result.ok, str(result)
+
+
+def test_log_applies_to_a_users_hf_export(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    config = transformers.BertConfig(hidden_size=768, num_attention_heads=12, intermediate_size=3072,
+                                     attn_implementation="eager")
+    torch.manual_seed(0)
+    layer = BertLayer(config).eval()
+
+    class WithMask(torch.nn.Module):  # what a user writes to export a layer with a (batch, seq) 0/1 mask
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, hidden_states, attention_mask):
+            extended = (1.0 - attention_mask[:, None, None, :].to(torch.float32)) * torch.finfo(torch.float32).min
+            return self.layer(hidden_states, attention_mask=extended)[0]
+
+    path = str(tmp_path / "layer.onnx")
+    torch.onnx.export(WithMask(), (torch.randn(8, 128, 768), torch.ones(8, 128, dtype=torch.long)), path,
+                      input_names=["hidden_states", "attention_mask"], output_names=["output"], opset_version=17,
+                      dynamo=False)
+    compiled = tvmdm.compile(path, shapes=SHAPES)
+    untuned = sorted(set(compiled.kernels) - set(compiled.tuned_kernels))
+    # Every contraction, softmax and LayerNorm kernel reuses the records; only export-specific glue differs.
+    assert all("matmul" not in k and k not in ("softmax", "layer_norm") for k in untuned), untuned
+    assert len(compiled.tuned_kernels) >= 10
+    assert compiled.check(tvmdm.random_inputs(compiled, batch=8, seq=128)).ok
+    assert os.path.basename(shipped_logs("llvm")[0]) == "bert-base-layer-llvm"
