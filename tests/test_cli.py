@@ -40,3 +40,15 @@ def test_check_needs_onnx_source(tmp_path, capsys, tiny_compiled):
     path = tiny_compiled.export(tmp_path / "t.tvmdm")
     assert main(["run", path, "--check"]) == 2
     assert "--check needs the ONNX model" in capsys.readouterr().err
+
+
+def test_compile_reports_shared_initializers(tmp_path, capsys):
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="/q"), helper.make_node("MatMul", ["a", "w"], ["y"], name="/k")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], initializer=[w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
+    assert main(["compile", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.tvmdm")]) == 0
+    assert "1 initializer(s) read by several nodes" in capsys.readouterr().out

@@ -76,6 +76,11 @@ def cmd_compile(args) -> int:
     for kind, specs in (("input", compiled.inputs), ("output", compiled.outputs)):
         for s in specs:
             print(f"  {kind} {s.name}: {s.dtype}{list(s.shape)}")
+    shared = compiled.imported.shared_initializers
+    if shared:
+        # Harmless for inference; in training these weights would be tied (one tensor, several layers).
+        print(f"  {len(shared)} initializer(s) read by several nodes (de-duplicated by the exporter or shared "
+              f"by design): " + "; ".join(f"{k} <- {', '.join(v[:3])}" for k, v in list(shared.items())[:5]))
     print(f"wrote {out}")
     return 0
 
