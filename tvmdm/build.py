@@ -67,14 +67,15 @@ class Compiled(ModelRunner):
     """A compiled model. ``run`` executes it; ``check`` compares with onnxruntime; ``export`` writes an artifact."""
 
     def __init__(self, executable, imported, target, fusion: str, timings: dict[str, float],
-                 kernels: list[str], tuned_kernels: list[str], mod):
+                 kernel_ops: dict[str, list[str]], tuned_kernels: list[str], mod):
         super().__init__(executable, inputs=imported.inputs, outputs=imported.outputs, params=imported.params,
                          target_kind=target.kind.name, index_bounds=imported.index_bounds)
         self.imported = imported
         self.target = target
         self.fusion = fusion
         self.timings = timings
-        self.kernels = kernels  # every TIR kernel of the module
+        self.kernel_ops = kernel_ops  # every TIR kernel of the module -> the graph ops it covers
+        self.kernels = sorted(kernel_ops)
         self.tuned_kernels = tuned_kernels  # those that got a schedule from the tuning logs
         self.mod = mod  # the fused, scheduled IRModule that was built (for analysis and profiling)
 
@@ -117,38 +118,46 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     """
     if options:
         raise TypeError(f"compile() got unknown options {sorted(options)}")
-    from onnx_import import import_onnx, import_relax
-    from schedules import apply_default_schedules, apply_tuning_logs, shipped_logs
     from schedules.apply import kernels
 
     timings = {}
     t0 = time.perf_counter()
-    if isinstance(model, tvm.IRModule):
-        if shapes:
-            raise ShapeError("shapes= applies to ONNX models; an IRModule carries its own shapes")
-        imported = import_relax(model, params)
-    else:
-        if params is not None:
-            raise TypeError("params= is for IRModule input; ONNX models carry their weights")
-        imported = import_onnx(model, shapes=shapes)
+    imported = _import(model, shapes, params)
     timings["import"] = time.perf_counter() - t0
     tvm_target = make_target(target)
     t0 = time.perf_counter()
     provenance: dict[str, list[str]] = {}
     mod = fuse_stage.fuse(imported.mod, fusion, provenance)
-    if tuning_logs == "shipped":
-        tuning_logs = shipped_logs(tvm_target.kind.name)
-    tuned = []
-    if tuning_logs:
-        mod, tuned = apply_tuning_logs(mod, tvm_target, tuning_logs)
-    all_kernels = kernels(mod)
-    mod = apply_default_schedules(mod, tvm_target)
+    mod, tuned = _schedule(mod, tvm_target, tuning_logs)
+    kernel_ops = {k: provenance.get(k, [fuse_stage.op_name(k)]) for k in kernels(mod)}
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     executable = relax.build(mod, target=tvm_target)
     timings["build"] = time.perf_counter() - t0
     log.info("compiled %s for %s: %d/%d kernels tuned; %s", imported.source, tvm_target.kind.name, len(tuned),
-             len(all_kernels), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    compiled = Compiled(executable, imported, tvm_target, fusion, timings, all_kernels, tuned, mod)
-    compiled.kernel_ops = {k: provenance.get(k, [fuse_stage.op_name(k)]) for k in all_kernels}
-    return compiled
+             len(kernel_ops), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    return Compiled(executable, imported, tvm_target, fusion, timings, kernel_ops, tuned, mod)
+
+
+def _import(model, shapes, params):
+    from onnx_import import import_onnx, import_relax
+
+    if isinstance(model, tvm.IRModule):
+        if shapes:
+            raise ShapeError("shapes= applies to ONNX models; an IRModule carries its own shapes")
+        return import_relax(model, params)
+    if params is not None:
+        raise TypeError("params= is for IRModule input; ONNX models carry their weights")
+    return import_onnx(model, shapes=shapes)
+
+
+def _schedule(mod, target, tuning_logs) -> tuple[tvm.IRModule, list[str]]:
+    """Tuned records where the logs have them, our default schedules for every other kernel."""
+    from schedules import apply_default_schedules, apply_tuning_logs, shipped_logs
+
+    if tuning_logs == "shipped":
+        tuning_logs = shipped_logs(target.kind.name)
+    tuned = []
+    if tuning_logs:
+        mod, tuned = apply_tuning_logs(mod, target, tuning_logs)
+    return apply_default_schedules(mod, target), tuned
