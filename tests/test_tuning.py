@@ -172,5 +172,5 @@ def test_metaschedule_cuda_candidates_build_here(tiny_layer, arch):
     assert results[0].error_msg is None, results[0].error_msg
     lib = tvm.compile(spaces[0].mod, target=target)
     source = lib.mod.imports[0].inspect_source()
-    # A sampled schedule: its kernels are bound to the grid (which of threadIdx/shared memory it uses varies).
-    assert "__global__" in source and "blockIdx" in source
+    # A sampled schedule: its kernel is bound to GPU threads (block/thread split and shared memory vary by sample).
+    assert "__global__" in source and ("threadIdx" in source or "blockIdx" in source)
