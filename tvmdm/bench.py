@@ -37,16 +37,6 @@ def summarize(system: str, seconds: list[float]) -> Timing:
     return Timing(system, float(np.median(ms)), float(np.percentile(ms, 10)), float(np.percentile(ms, 90)))
 
 
-def ort_session(proto, threads: int):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, target: str = "llvm",
               repeat: int = 10, untuned: bool = False, kernels: bool = True, json_path: str | None = None,
               out=print) -> dict:
@@ -54,7 +44,7 @@ def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, t
     import tvm
 
     import tvmdm
-    from tvmdm.build import compare_outputs
+    from tvmdm.build import compare_outputs, ort_session
     from tvmdm.cli import _model_arg, resolve_shapes
     from tvmdm.profile import gemm_peak_gflops, profile_kernels
     from tvmdm.target import num_cores

@@ -49,6 +49,18 @@ class CheckResult:
             "\n".join(rows)
 
 
+def ort_session(proto, threads: int | None = None):
+    """An onnxruntime CPU session on ``proto``, quiet; ``threads`` pins intra-op threads (None: ORT's default)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
 def compare_outputs(names, got, ref, atol: float, rtol: float) -> CheckResult:
     checks = []
     for name, g, r in zip(names, got, ref):
@@ -85,15 +97,9 @@ class Compiled(ModelRunner):
 
     def reference(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Outputs of onnxruntime (CPU) on the source ONNX model."""
-        import onnxruntime as ort
-
         if self.imported.proto is None:
             raise TvmdmError("check() compares against onnxruntime, but this model was compiled from an IRModule")
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        sess = ort.InferenceSession(self.imported.proto.SerializeToString(), options,
-                                    providers=["CPUExecutionProvider"])
-        return sess.run(self.output_names, self.check_inputs(inputs))
+        return ort_session(self.imported.proto).run(self.output_names, self.check_inputs(inputs))
 
     def check(self, inputs: dict[str, np.ndarray], atol: float = 1e-4, rtol: float = 1e-4) -> CheckResult:
         return compare_outputs(self.output_names, self.run(inputs), self.reference(inputs), atol, rtol)

@@ -17,8 +17,6 @@ def _median_seconds(fn, repeat: int) -> float:
 
 def run_demo(name: str = "bert-base-layer", *, batch: int | None = None, seq: int | None = None,
              target: str = "llvm") -> int:
-    import onnxruntime as ort
-
     import tvmdm
     from tvmdm import models
 
@@ -40,9 +38,7 @@ def run_demo(name: str = "bert-base-layer", *, batch: int | None = None, seq: in
           "the rest with default schedules) ...", flush=True)
     outputs = compiled.run(feeds)
     tvm_s = _median_seconds(lambda: compiled.run(feeds), repeat=5)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    sess = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    sess = tvmdm.build.ort_session(proto)
     reference = sess.run(compiled.output_names, feeds)
     ort_s = _median_seconds(lambda: sess.run(compiled.output_names, feeds), repeat=5)
     result = tvmdm.build.compare_outputs(compiled.output_names, outputs, reference, atol=1e-4, rtol=1e-4)
