@@ -1,5 +1,5 @@
-"""The benchmark harness on a tiny model: outputs checked first, timings and kernel rows reported, JSON written.
-No timing assertions."""
+"""The benchmark harness on tiny models: every system checked against onnxruntime first, JSON schema, plot file,
+size scan. No timing assertions."""
 import json
 
 import numpy as np
@@ -7,22 +7,52 @@ import pytest
 
 import tvmdm
 from tvmdm import profile
-from tvmdm.bench import run_bench
+from tvmdm.bench import matmul_flops, run_bench
 
 
-def test_bench_tiny_layer_writes_json(tmp_path):
+def test_bench_tiny_layer_all_systems_json_plot_and_scan(tmp_path):
+    pytest.importorskip("torch")
     lines = []
-    path = tmp_path / "bench.json"
-    result = run_bench("bert-tiny-layer", batch=2, seq=8, repeat=3, untuned=True, json_path=str(path),
-                       out=lines.append)
-    data = json.loads(path.read_text())
+    result = run_bench("bert-tiny-layer", batch=2, seq=8, min_runs=3, max_seconds=2, untuned=True,
+                       torch_compile=False, scan={"seq": [4, 8], "batch": [1]}, json_path=str(tmp_path / "b.json"),
+                       plot_path=str(tmp_path / "b.png"), out=lines.append)
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["schema"] == "tvmdm-bench/1"
     assert data["shapes"] == {"hidden_states": [2, 8, 32], "attention_mask": [2, 8]}
-    assert [t["system"] for t in data["timings"]] == ["onnxruntime", "tvmdm", "tvmdm-untuned"]
-    assert all(t["p10_ms"] <= t["median_ms"] <= t["p90_ms"] for t in data["timings"])
-    assert data["gemm_peak_gflops"] > 0 and data["machine"]["tvm"] == "0.27.0.post1"
-    names = {k["name"] for k in data["kernels"]}
-    assert names == set(result["kernels"][i]["name"] for i in range(len(names)))
-    assert any(line.startswith("onnxruntime") for line in lines)
+    systems = [t["system"] for t in data["timings"]]
+    assert systems == ["onnxruntime", "onnxruntime-bert-opt", "tvmdm", "tvmdm-untuned", "torch-eager"]
+    for t in data["timings"]:
+        assert t["p10_ms"] <= t["median_ms"] <= t["p90_ms"] and t["runs"] >= 3
+        assert t["gflops_per_s"] == pytest.approx(data["matmul_flops"] / t["median_ms"] / 1e6)
+    assert data["timings"][0]["vs_onnxruntime"] == 1.0
+    # numbers agree: every system within the harness tolerance of onnxruntime (torch's twin and ours much closer)
+    assert set(data["max_abs_err_vs_onnxruntime"]) == set(systems)
+    assert max(data["max_abs_err_vs_onnxruntime"].values()) < 1e-4
+    assert data["machine"]["versions"]["apache-tvm"] == "0.27.0.post1" and data["machine"]["threads"] >= 1
+    assert data["machine"]["cpu"]["model"]
+    assert [(r["batch"], r["seq"], r["sweeps"]) for r in data["scan"]] == [(2, 4, ["seq"]), (2, 8, ["seq"]),
+                                                                           (1, 8, ["batch"])]
+    assert all([t["system"] for t in r["timings"]] == ["onnxruntime", "tvmdm", "torch-eager"] for r in data["scan"])
+    assert data["scan"][0]["matmul_flops"] < data["scan"][1]["matmul_flops"]
+    png = (tmp_path / "b.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert any(line.startswith("tvmdm ") for line in lines) and result["kernels"]
+
+
+def test_bench_onnx_file_skips_pytorch_with_reason(tmp_path, tiny_layer):
+    import onnx
+
+    path = tmp_path / "layer.onnx"
+    onnx.save(tiny_layer, path)
+    result = run_bench(str(path), batch=2, seq=4, min_runs=2, max_seconds=1, kernels=False, out=lambda line: None)
+    assert "torch-eager" not in [t["system"] for t in result["timings"]]
+    assert "ONNX file carries no PyTorch program" in result["skipped"]["torch-eager"]
+
+
+def test_matmul_flops_closed_form(tiny_layer):
+    b, s, h, ffn = 2, 8, 32, 64
+    expected = 4 * 2 * b * s * h * h + 2 * 2 * b * s * h * ffn + 2 * 2 * b * s * s * h
+    assert matmul_flops(tiny_layer, {"hidden_states": [b, s, h], "attention_mask": [b, s]}) == expected
 
 
 def test_kernel_flops_and_call_sites_are_exact():
@@ -44,4 +74,25 @@ def test_bench_refuses_wrong_answers(monkeypatch):
 
     monkeypatch.setattr(build.Compiled, "run", lambda self, feeds: [np.zeros((2, 8, 32), np.float32)])
     with pytest.raises(AssertionError, match="tvmdm disagrees with onnxruntime before timing"):
-        run_bench("bert-tiny-layer", batch=2, seq=8, repeat=1, kernels=False, out=lambda line: None)
+        run_bench("bert-tiny-layer", batch=2, seq=8, min_runs=1, kernels=False, torch=False, out=lambda line: None)
+
+
+def test_bench_symbolic_file_without_sizes_is_refused(tmp_path, tiny_layer):
+    import onnx
+
+    path = tmp_path / "layer.onnx"
+    onnx.save(tiny_layer, path)
+    with pytest.raises(tvmdm.TvmdmError, match="give --batch and --seq"):
+        run_bench(str(path), out=lambda line: None)
+
+
+def test_torch_twin_matches_onnxruntime():
+    pytest.importorskip("transformers")
+    from tvmdm.build import ort_session
+    from tvmdm.torch_reference import TorchReference
+
+    for name in ("bert-tiny-layer", "bert-small"):
+        proto = tvmdm.default_model(name)
+        feeds = tvmdm.random_inputs(tvmdm.compile(proto), batch=2, seq=8)  # token ids inside the vocab
+        expected = ort_session(proto).run(None, feeds)[0]
+        np.testing.assert_allclose(TorchReference(name, proto).run(feeds)[0], expected, atol=1e-5, rtol=1e-5)

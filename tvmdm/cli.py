@@ -121,11 +121,24 @@ def cmd_tune(args) -> int:
     return tune.main(args=args)
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
 def cmd_bench(args) -> int:
     from tvmdm.bench import run_bench
 
-    run_bench(args.model, batch=args.batch, seq=args.seq, target=args.target, repeat=args.repeat,
-              untuned=args.untuned, kernels=not args.no_kernels, json_path=args.json)
+    model = args.model_flag or args.model
+    scan = None
+    if args.scan or args.scan_seq or args.scan_batch:
+        scan = {"seq": args.scan_seq or [64, 128, 256, 512], "batch": args.scan_batch or [1, 8, 32]}
+    run_bench(model, batch=args.batch, seq=args.seq, target=args.target, min_runs=args.min_runs,
+              max_seconds=args.max_seconds, untuned=args.untuned, fusion_levels=args.fusion.split(","),
+              ort_optimized=not args.no_ort_opt, torch=not args.no_torch, torch_compile=not args.no_torch_compile,
+              kernels=not args.no_kernels, scan=scan, json_path=args.json, plot_path=args.plot)
     return 0
 
 
@@ -191,15 +204,26 @@ def build_parser() -> argparse.ArgumentParser:
     tune.build_parser(p)
     p.set_defaults(func=cmd_tune)
 
-    p = sub.add_parser("bench", help="median latency of tvmdm vs onnxruntime (same threads), per-kernel GFLOP/s")
+    p = sub.add_parser("bench", help="tvmdm vs onnxruntime (plain, BERT-optimized) and PyTorch, same threads")
     p.add_argument("model", nargs="?", default="bert-base-layer", help="ONNX file or embedded model name")
+    p.add_argument("--model", dest="model_flag", help="same as the positional MODEL")
     p.add_argument("--batch", type=int, help="batch (default: the embedded model's)")
     p.add_argument("--seq", type=int, help="sequence length (default: the embedded model's)")
-    p.add_argument("--target", default="llvm")
-    p.add_argument("--repeat", type=int, default=10, help="timed runs per system (median reported)")
+    p.add_argument("--target", default="llvm", help="llvm, or cuda on a machine with a GPU")
+    p.add_argument("--fusion", default="tvm", help="comma-separated fusion levels to time (first is 'tvmdm')")
     p.add_argument("--untuned", action="store_true", help="also time tvmdm without tuning logs")
+    p.add_argument("--min-runs", type=int, default=5, help="timed runs per round; rounds go on until the median "
+                   "moves < 2%% (default 5)")
+    p.add_argument("--max-seconds", type=float, default=30.0, help="time limit per system (default 30)")
+    p.add_argument("--no-ort-opt", action="store_true", help="skip onnxruntime.transformers' BERT optimizer")
+    p.add_argument("--no-torch", action="store_true", help="skip PyTorch")
+    p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (slow to compile)")
     p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel table")
-    p.add_argument("--json", help="write the results as JSON")
+    p.add_argument("--scan", action="store_true", help="also sweep seq 64..512 and batch 1..32")
+    p.add_argument("--scan-seq", type=_int_list, help="seq values to sweep, e.g. 64,128,256")
+    p.add_argument("--scan-batch", type=_int_list, help="batch values to sweep, e.g. 1,8,32")
+    p.add_argument("--json", help="write the results (with machine info) as JSON")
+    p.add_argument("--plot", help="write a bar plot (and the scan) as PNG")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("analyze", help="per-kernel flops / bytes / class report, fusion levels compared")

@@ -1,0 +1,59 @@
+"""Bar plot of a ``tvmdm bench`` result (median with p10-p90 whiskers, ratio to onnxruntime), plus the size scan."""
+from __future__ import annotations
+
+
+def plot_bench(result: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scan = result.get("scan") or []
+    fig, axes = plt.subplots(1, 2 if scan else 1, figsize=(13 if scan else 7, 4.5), squeeze=False)
+    _bars(axes[0][0], result)
+    if scan:
+        _scan_lines(axes[0][1], scan)
+    fig.suptitle(f"{result['model']} {result['shapes']} on {result['machine']['cpu']['model']}, "
+                 f"{result['threads']} threads", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _bars(ax, result: dict) -> None:
+    timings = result["timings"]
+    names = [t["system"] for t in timings]
+    medians = [t["median_ms"] for t in timings]
+    low = [t["median_ms"] - t["p10_ms"] for t in timings]
+    high = [t["p90_ms"] - t["median_ms"] for t in timings]
+    colors = ["tab:blue" if n.startswith("tvmdm") else "tab:orange" if n.startswith("onnx") else "tab:green"
+              for n in names]
+    ax.barh(names, medians, xerr=[low, high], color=colors, capsize=3)
+    for y, t in enumerate(timings):
+        ax.text(t["p90_ms"], y, f"  {t['median_ms']:.3g} ms ({t['vs_onnxruntime']:.2f}x ORT)", va="center",
+                fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("median latency, ms (whiskers: p10-p90)")
+    ax.set_xlim(0, max(t["p90_ms"] for t in timings) * 1.6)
+
+
+def _scan_lines(ax, scan: list[dict]) -> None:
+    """One line per (system, sweep): seq swept at a fixed batch (solid), batch swept at a fixed seq (dashed)."""
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for row in scan:
+        for sweep in row["sweeps"]:
+            for t in row["timings"]:
+                series.setdefault((t["system"], sweep), []).append((row["batch"] * row["seq"], t["median_ms"]))
+    colors = {}
+    for (name, sweep), points in series.items():
+        points.sort()
+        color = colors.setdefault(name, f"C{len(colors)}")
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if sweep == "seq" else "s",
+                linestyle="-" if sweep == "seq" else "--", color=color, label=f"{name} ({sweep} sweep)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per call (batch x seq)")
+    ax.set_ylabel("median latency, ms")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)

@@ -1,0 +1,96 @@
+"""PyTorch twins of the embedded models: HF ``transformers`` modules carrying the very weights of our ONNX graphs.
+
+The builder in ``tvmdm.models`` names every initializer as HF names the parameter ("layer.0.attention.self.query
+.weight", "encoder.layer.1.output.dense.bias", ...) and stores Linear weights as [in, out] (ONNX MatMul), so the
+twin is an HF ``BertLayer`` / ``BertModel`` with those tensors copied in (Linear weights transposed). It is the
+PyTorch baseline of the benchmarks and the autograd reference of the training step. Needs torch + transformers
+(the ``dev`` extra).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tvmdm import models
+
+
+def _hf_config(cfg: models.BertConfig):
+    import transformers
+
+    return transformers.BertConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+        intermediate_size=cfg.ffn, max_position_embeddings=cfg.max_positions, type_vocab_size=cfg.type_vocab,
+        layer_norm_eps=cfg.layer_norm_eps, hidden_act="gelu", hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="eager")
+
+
+def _load_onnx_weights(module, proto, prefix: str) -> None:
+    import onnx
+    import torch
+
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    linear = {f"{n}.weight" for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    state = {}
+    for name, param in module.state_dict().items():
+        value = weights.get(prefix + name)
+        if value is None:
+            raise KeyError(f"the ONNX model has no initializer {prefix + name!r} for the torch parameter {name!r}")
+        if name in linear:
+            value = value.T  # ONNX MatMul weights are [in, out]; nn.Linear keeps [out, in]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"{prefix + name}: ONNX shape {list(value.shape)} != torch shape {list(param.shape)}")
+        state[name] = torch.from_numpy(np.array(value))
+    module.load_state_dict(state)
+
+
+class TorchReference:
+    """``run(feeds) -> [outputs]`` with the same input names, dtypes and output order as the ONNX model."""
+
+    def __init__(self, name: str, proto=None, device: str = "cpu"):
+        import torch
+        import transformers
+
+        if name not in models.DEFAULT_MODELS:
+            raise KeyError(f"no PyTorch twin for {name!r}: only the embedded models {sorted(models.DEFAULT_MODELS)}")
+        cfg = models.DEFAULT_MODELS[name][1]
+        proto = proto if proto is not None else models.default_model(name)
+        self.name = name
+        self.is_layer = name != "bert-small"
+        self.device = torch.device(device)
+        if self.is_layer:
+            module = transformers.models.bert.modeling_bert.BertLayer(_hf_config(cfg))
+            _load_onnx_weights(module, proto, "layer.0.")
+        else:
+            module = transformers.BertModel(_hf_config(cfg), add_pooling_layer=False)
+            _load_onnx_weights(module, proto, "")
+        self.module = module.to(self.device).eval()
+        self._forward = self.module
+
+    def compile(self) -> "TorchReference":
+        """Use ``torch.compile`` (inductor) for later calls; the first call pays the compile."""
+        import torch
+
+        self._forward = torch.compile(self.module)
+        return self
+
+    def torch_inputs(self, feeds: dict[str, np.ndarray]) -> dict:
+        import torch
+
+        return {k: torch.from_numpy(np.asarray(v)).to(self.device) for k, v in feeds.items()}
+
+    def forward(self, inputs: dict):
+        """Torch tensors in, the output tensor out (differentiable when grad is enabled)."""
+        if self.is_layer:
+            mask = inputs["attention_mask"][:, None, None, :].to(inputs["hidden_states"].dtype)
+            additive = (1.0 - mask) * float(np.finfo(np.float32).min)  # as HF extends a 0/1 padding mask
+            return self._forward(inputs["hidden_states"], attention_mask=additive)
+        return self._forward(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                             token_type_ids=inputs["token_type_ids"]).last_hidden_state
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        import torch
+
+        with torch.inference_mode():
+            out = self.forward(self.torch_inputs(feeds))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return [out.detach().float().cpu().numpy()]
