@@ -88,13 +88,13 @@ def matmul_flops(proto, shapes: dict) -> int | None:
     return total
 
 
-def _tvmdm_systems(proto, shapes, target, fusion_levels, untuned) -> dict:
+def _tvmdm_systems(proto, shapes, target, fusion_levels, untuned, tuning_logs) -> dict:
     import tvmdm
 
     systems = {}
     for level in fusion_levels:
         name = "tvmdm" if level == fusion_levels[0] else f"tvmdm[fusion={level}]"
-        systems[name] = tvmdm.compile(proto, target=target, shapes=shapes, fusion=level)
+        systems[name] = tvmdm.compile(proto, target=target, shapes=shapes, fusion=level, tuning_logs=tuning_logs)
     if untuned:
         systems["tvmdm-untuned"] = tvmdm.compile(proto, target=target, shapes=shapes, fusion=fusion_levels[0],
                                                  tuning_logs=None)
@@ -192,7 +192,8 @@ def _runner_of(system) -> Runner:
 
 def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fusion_levels=("tvm",),
                     untuned: bool = False, ort_optimized: bool = True, torch: bool = True,
-                    torch_compile: bool = True, min_runs: int = 5, max_seconds: float = 30.0, out=print) -> dict:
+                    torch_compile: bool = True, min_runs: int = 5, max_seconds: float = 30.0,
+                    tuning_logs="shipped", out=print) -> dict:
     """Build every system for one (batch, seq), check them against onnxruntime, time them. Returns a dict with
     timings, agreement, skipped systems and the tvmdm Compiled objects."""
     import tvmdm
@@ -200,7 +201,7 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
 
     threads = num_cores()
     gpu = target.startswith("cuda")
-    compiled = _tvmdm_systems(proto, shapes, target, list(fusion_levels), untuned)
+    compiled = _tvmdm_systems(proto, shapes, target, list(fusion_levels), untuned, tuning_logs)
     first = next(iter(compiled.values()))
     feeds = tvmdm.random_inputs(first, batch=1, seq=1, dims=_dims(first, shapes))
     ort_systems, skipped = _onnxruntime_systems(proto, model, threads, first.output_names, gpu, ort_optimized)
@@ -245,7 +246,7 @@ def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, t
               min_runs: int = 5, max_seconds: float = 30.0, untuned: bool = False, fusion_levels=("tvm",),
               ort_optimized: bool = True, torch: bool = True, torch_compile: bool = True, kernels: bool = True,
               scan: dict | None = None, json_path: str | None = None, plot_path: str | None = None,
-              out=print) -> dict:
+              tuning_logs="shipped", out=print) -> dict:
     """The ``tvmdm bench`` command. ``scan``: {"seq": [...], "batch": [...]} sizes to sweep (None: no sweep)."""
     from tvmdm.cli import resolve_shapes
     from tvmdm.machine import machine_info
@@ -255,7 +256,7 @@ def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, t
     if not shapes:
         raise TvmdmError(f"bench needs concrete sizes for {model}: give --batch and --seq")
     options = dict(target=target, fusion_levels=fusion_levels, ort_optimized=ort_optimized, torch=torch,
-                   torch_compile=torch_compile, min_runs=min_runs, max_seconds=max_seconds)
+                   torch_compile=torch_compile, min_runs=min_runs, max_seconds=max_seconds, tuning_logs=tuning_logs)
     main = compare_systems(model, proto, shapes, untuned=untuned, out=out, **options)
     first = next(iter(main["compiled"].values()))
     out(f"{model}: shapes {shapes}, target {target}, {main['threads']} threads, "
