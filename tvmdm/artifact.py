@@ -26,23 +26,15 @@ def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def export_artifact(runner, path) -> str:
-    """Write ``runner`` (a Compiled) to ``path``; returns the path written."""
+def write_bundle(path, manifest: dict, executable, arrays: dict[str, np.ndarray]) -> str:
+    """Write a tar of manifest.json (plus the array names, in order), model.so and params.npz; atomically."""
     path = os.fspath(path)
-    params = runner.params()
-    manifest = {
-        "format": FORMAT, "version": VERSION,
-        "target_kind": runner.target_kind,
-        "inputs": [s.to_json() for s in runner.inputs],
-        "outputs": [s.to_json() for s in runner.outputs],
-        "params": list(params),
-        "index_bounds": {k: list(v) for k, v in runner.index_bounds.items()},
-    }
+    manifest = dict(manifest, params=list(arrays))
     with tempfile.TemporaryDirectory() as tmp:
         lib = os.path.join(tmp, "model.so")
-        runner._executable.export_library(lib)
+        executable.export_library(lib)
         buf = io.BytesIO()
-        np.savez(buf, **{f"p{i}": v for i, v in enumerate(params.values())})
+        np.savez(buf, **{f"p{i}": v for i, v in enumerate(arrays.values())})
         tmp_out = path + ".partial"
         with tarfile.open(tmp_out, "w") as tar:
             _add_bytes(tar, "manifest.json", json.dumps(manifest, indent=1).encode())
@@ -52,12 +44,9 @@ def export_artifact(runner, path) -> str:
     return path
 
 
-def load(path) -> "ModelRunner":
-    """Load an artifact written by ``Compiled.export``; returns a runner with ``run``."""
+def read_bundle(path, fmt: str = FORMAT, version: int = VERSION):
+    """(manifest, loaded library module, arrays by name) of a bundle written by ``write_bundle``."""
     from tvm import runtime
-
-    from tvmdm.runtime import ModelRunner
-    from tvmdm.spec import TensorSpec
 
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -69,9 +58,9 @@ def load(path) -> "ModelRunner":
             lib_bytes = tar.extractfile("model.so").read()
     except (tarfile.TarError, KeyError, ValueError, OSError, AttributeError) as err:
         raise ArtifactError(f"{path}: not a tvmdm artifact or damaged: {err}") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != fmt or manifest.get("version") != version:
         raise ArtifactError(f"{path}: unsupported artifact format {manifest.get('format')!r} "
-                            f"version {manifest.get('version')!r} (this tvmdm reads {FORMAT} v{VERSION})")
+                            f"version {manifest.get('version')!r} (expected {fmt} v{version})")
     with tempfile.TemporaryDirectory() as tmp:
         # The shared library must be a file to be dlopen'ed; once loaded the file can go.
         lib_path = os.path.join(tmp, "model.so")
@@ -82,8 +71,28 @@ def load(path) -> "ModelRunner":
         except RuntimeError as err:
             raise ArtifactError(f"{path}: compiled for {manifest['target_kind']}, but this TVM runtime cannot load "
                                 f"it here ({str(err).strip().splitlines()[-1]})") from None
-    names = manifest["params"]
-    params = {name: params_npz[f"p{i}"] for i, name in enumerate(names)}
+    arrays = {name: params_npz[f"p{i}"] for i, name in enumerate(manifest["params"])}
+    return manifest, lib, arrays
+
+
+def export_artifact(runner, path) -> str:
+    """Write ``runner`` (a Compiled) to ``path``; returns the path written."""
+    manifest = {
+        "format": FORMAT, "version": VERSION,
+        "target_kind": runner.target_kind,
+        "inputs": [s.to_json() for s in runner.inputs],
+        "outputs": [s.to_json() for s in runner.outputs],
+        "index_bounds": {k: list(v) for k, v in runner.index_bounds.items()},
+    }
+    return write_bundle(path, manifest, runner._executable, runner.params())
+
+
+def load(path) -> "ModelRunner":
+    """Load an artifact written by ``Compiled.export``; returns a runner with ``run``."""
+    from tvmdm.runtime import ModelRunner
+    from tvmdm.spec import TensorSpec
+
+    manifest, lib, params = read_bundle(path)
     return ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
                        outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]], params=params,
                        target_kind=manifest["target_kind"],
