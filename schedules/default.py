@@ -60,7 +60,11 @@ def _schedule_block(sch, block) -> None:
 def cpu_default_schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """Parallel (and where possible vectorized) version of an unscheduled LegalizeOps kernel."""
     sch = sch_mod.Schedule(func)
-    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    try:
+        root = sch.get_sblock("root")
+    except sch_mod.ScheduleError:  # hand-written kernels (e.g. take's gradient, a te.extern) have no block tree
+        return func.with_attr("tirx.is_scheduled", True)
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
     # Inline element-wise producers first: fewer blocks, fewer passes over memory.
     for name in list(names[:-1]):
         try:

@@ -1,0 +1,247 @@
+"""The compiled training step: forward + loss + backward + AdamW in one compiled function, state on the device.
+
+    step = tvmdm.compile_train_step("bert.onnx", loss="cross_entropy", optimizer=tvmdm.AdamW(lr=1e-4),
+                                    shapes={"input_ids": [8, 128], "attention_mask": [8, 128]})
+    for batch in data:                      # batch: the model's inputs + "labels" (or "target")
+        loss = step.step(batch)
+    step.export("step.tar")                 # tvmdm.load_train_step("step.tar") resumes it, without onnx
+
+import -> training graph (train_graph: loss, Gradient, AdamW) -> fuse -> schedule -> relax.build, the same
+stages as inference. Weights, Adam moments and the step count stay on the device between steps.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from tvmdm import fuse as fuse_stage
+from tvmdm import train_graph
+from tvmdm.errors import InputError, TvmdmError
+from tvmdm.runtime import ModelRunner
+from tvmdm.spec import TensorSpec
+from tvmdm.target import make_target
+
+log = logging.getLogger("tvmdm")
+
+FORMAT = "tvmdm-train-step"
+VERSION = 1
+TARGET_KEYS = ("labels", "target")  # the batch key holding the loss target (HF calls it labels)
+AdamW = train_graph.AdamW
+
+
+class TrainStep(ModelRunner):
+    """A compiled training step. ``step(batch)`` trains once and returns the loss; ``run(inputs)`` is inference
+    with the current weights; ``gradients(batch)`` gives the loss and every weight's gradient (no update)."""
+
+    def __init__(self, executable, *, inputs, outputs, params, target_kind, index_bounds, target_spec: TensorSpec,
+                 optimizer: AdamW, loss_name: str, moments=None, step_count: int = 0):
+        super().__init__(executable, inputs=inputs, outputs=outputs, params=params, target_kind=target_kind,
+                         index_bounds=index_bounds)
+        self.target_spec = target_spec
+        self.optimizer = optimizer
+        self.loss_name = loss_name
+        self.lr = optimizer.lr  # settable: a schedule changes it between steps without recompiling
+        self.step_count = step_count
+        zeros = {n: np.zeros_like(v) for n, v in self._host_params.items()}
+        moments = moments or {"m": zeros, "v": zeros}
+        self._host_moments = {k: [np.asarray(moments[k][n], order="C") for n in self._host_params] for k in "mv"}
+        self._moments = None
+
+    def _ensure_loaded(self):
+        super()._ensure_loaded()
+        if self._moments is None:
+            self._moments = {k: [tvm.runtime.tensor(a, self.device) for a in arrays]
+                             for k, arrays in self._host_moments.items()}
+
+    @property
+    def weight_names(self) -> list[str]:
+        return list(self._host_params)
+
+    def _split_batch(self, batch) -> tuple[list, "tvm.runtime.Tensor"]:
+        if not isinstance(batch, dict):
+            raise InputError(f"a batch must be a dict of input name -> numpy array, got {type(batch).__name__}")
+        keys = [k for k in TARGET_KEYS if k in batch]
+        if len(keys) != 1:
+            raise InputError(f"a batch needs the loss target under exactly one of {list(TARGET_KEYS)} "
+                             f"({self.target_spec.dtype} {list(self.target_spec.shape)}); got keys {sorted(batch)}")
+        target = batch[keys[0]]
+        spec = self.target_spec
+        if not isinstance(target, np.ndarray) or str(target.dtype) != spec.dtype or \
+                tuple(target.shape) != tuple(spec.shape):
+            got = f"{target.dtype} {list(target.shape)}" if isinstance(target, np.ndarray) else type(target).__name__
+            raise InputError(f"batch[{keys[0]!r}] must be {spec.dtype} {list(spec.shape)} for the "
+                             f"{self.loss_name} loss, got {got}")
+        checked = self.check_inputs({k: v for k, v in batch.items() if k != keys[0]})
+        self._ensure_loaded()
+        args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names]
+        return args, tvm.runtime.tensor(np.asarray(target, order="C"), self.device)
+
+    def step(self, batch: dict) -> float:
+        """One training step (forward, loss, backward, AdamW update) on ``batch``; returns the loss."""
+        args, target = self._split_batch(batch)
+        scalars = [tvm.runtime.tensor(s, self.device) for s in self.optimizer.scalars(self.step_count + 1, self.lr)]
+        result = self._vm["train_step"](*args, target, *self._params, *self._moments["m"], *self._moments["v"],
+                                        *scalars)
+        n = len(self._params)
+        self._params = list(result[1:1 + n])
+        self._moments = {"m": list(result[1 + n:1 + 2 * n]), "v": list(result[1 + 2 * n:1 + 3 * n])}
+        self.step_count += 1
+        return float(result[0].numpy())
+
+    def gradients(self, batch: dict) -> tuple[float, dict[str, np.ndarray]]:
+        """Loss and the gradient of every weight on ``batch``, without updating anything."""
+        args, target = self._split_batch(batch)
+        loss, grads = self._vm["loss_and_grads"](*args, target, *self._params)
+        return float(loss.numpy()), {n: g.numpy() for n, g in zip(self.weight_names, grads)}
+
+    def loss(self, batch: dict) -> float:
+        return self.gradients(batch)[0]
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Weights and optimizer state as numpy arrays: weights/<name>, adam_m/<name>, adam_v/<name>, step."""
+        state = {f"weights/{n}": v for n, v in self.params().items()}
+        moments = self._host_moments if self._moments is None else \
+            {k: [t.numpy() for t in ts] for k, ts in self._moments.items()}
+        for kind, prefix in (("m", "adam_m/"), ("v", "adam_v/")):
+            state.update({prefix + n: a for n, a in zip(self.weight_names, moments[kind])})
+        state["step"] = np.array(self.step_count, dtype=np.int64)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (all keys, same shapes and dtypes)."""
+        expected = set(self.state_dict())
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or extra:
+            raise InputError(f"state dict does not match this training step: missing {missing[:5]}"
+                             f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}")
+        for name, value in state.items():
+            want = self.state_dict_spec(name)
+            if name != "step" and (tuple(np.shape(value)) != want.shape or str(np.asarray(value).dtype) != want.dtype):
+                raise InputError(f"state[{name!r}] is {np.asarray(value).dtype} {list(np.shape(value))}, expected "
+                                 f"{want.dtype} {list(want.shape)}")
+        self._host_params = {n: np.asarray(state[f"weights/{n}"], order="C") for n in self.weight_names}
+        self._host_moments = {k: [np.asarray(state[f"adam_{k}/{n}"], order="C") for n in self.weight_names]
+                              for k in "mv"}
+        self.step_count = int(state["step"])
+        self._params = self._moments = None
+        if self._vm is not None:
+            self._params = [tvm.runtime.tensor(v, self.device) for v in self._host_params.values()]
+            self._ensure_loaded()
+
+    def state_dict_spec(self, name: str) -> TensorSpec:
+        weight = self._host_params[name.split("/", 1)[1]] if "/" in name else np.zeros((), np.int64)
+        return TensorSpec(name, tuple(weight.shape), str(weight.dtype))
+
+    def export(self, path: "str | os.PathLike") -> str:
+        """Write the step (compiled code, weights, optimizer state) to one file for ``load_train_step``."""
+        from tvmdm.artifact import write_bundle
+
+        manifest = {
+            "format": FORMAT, "version": VERSION, "target_kind": self.target_kind,
+            "inputs": [s.to_json() for s in self.inputs], "outputs": [s.to_json() for s in self.outputs],
+            "index_bounds": {k: list(v) for k, v in self.index_bounds.items()},
+            "target": self.target_spec.to_json(), "loss": self.loss_name, "lr": self.lr,
+            "optimizer": {"lr": self.optimizer.lr, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps,
+                          "weight_decay": self.optimizer.weight_decay},
+        }
+        return write_bundle(path, manifest, self._executable, self.state_dict())
+
+
+def load_train_step(path: "str | os.PathLike") -> TrainStep:
+    """Load a step written by ``TrainStep.export``: training resumes where it stopped (no onnx needed)."""
+    from tvmdm.artifact import read_bundle
+
+    manifest, lib, state = read_bundle(path, FORMAT, VERSION)
+    opt = manifest["optimizer"]
+    names = [k.split("/", 1)[1] for k in state if k.startswith("weights/")]
+    ts = TrainStep(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
+                   outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]],
+                   params={n: state[f"weights/{n}"] for n in names}, target_kind=manifest["target_kind"],
+                   index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
+                   target_spec=TensorSpec.from_json(manifest["target"]),
+                   optimizer=AdamW(opt["lr"], tuple(opt["betas"]), opt["eps"], opt["weight_decay"]),
+                   loss_name=manifest["loss"],
+                   moments={k: {n: state[f"adam_{k}/{n}"] for n in names} for k in "mv"},
+                   step_count=int(state["step"]))
+    ts.lr = manifest["lr"]
+    return ts
+
+
+def _split_trainable(imported) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
+    """Bind non-float initializers (index tables, shape constants) into main as constants: only float
+    weights are trained. Returns the module, whose main takes (inputs..., trainable...), and those weights."""
+    main = imported.mod["main"]
+    n_in = len(imported.inputs)
+    frozen = {var: imported.params[name] for var, name in zip(main.params[n_in:], imported.params)
+              if not np.issubdtype(imported.params[name].dtype, np.floating)}
+    trainable = {name: v for name, v in imported.params.items() if np.issubdtype(v.dtype, np.floating)}
+    mod = imported.mod
+    if frozen:
+        mod = relax.transform.BindParams("main", {k: tvm.runtime.tensor(v) for k, v in frozen.items()})(mod)
+    return mod, trainable
+
+
+def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None = None, target="llvm",
+                       shapes: dict | None = None, batch: int | None = None, seq: int | None = None, fusion: str = "tvm", tuning_logs="shipped") -> TrainStep:
+    """Compile a training step for an ONNX model (path or ModelProto): an encoder layer, a full BERT, or a
+    BertForSequenceClassification / MaskedLM export. The loss applies to the model's first output.
+
+    loss: "cross_entropy" (int64 labels of the output's shape minus its last axis; -100 is ignored),
+    "mse" (a float target of the output's shape) or a callable (output, target) -> scalar Relax expr.
+    Training needs static shapes: ``batch``/``seq`` bind the symbolic axes of every input (the first symbolic
+    axis is the batch, the next the sequence), ``shapes`` (input name -> shape) binds inputs one by one.
+    """
+    from onnx_import import import_onnx
+    from onnx_import.importer import onnx_input_specs
+    from onnx_import.loader import load_model_proto
+    from schedules.apply import kernels
+    from tvmdm.inputs import concrete_shape
+    from tvmdm.build import _schedule
+
+    optimizer = optimizer or AdamW()
+    timings = {}
+    t0 = time.perf_counter()
+    proto, source = load_model_proto(model)
+    shapes = dict(shapes or {})
+    if batch is not None or seq is not None:  # bind the symbolic (batch, seq) axes of every other input
+        for spec in onnx_input_specs(proto):
+            if spec.name not in shapes and any(isinstance(d, str) for d in spec.shape):
+                shapes[spec.name] = concrete_shape(spec, {}, batch or 1, seq or 1)
+    imported = import_onnx(proto, shapes=shapes)
+    imported.source = source
+    unbound = [s for s in imported.inputs if any(isinstance(d, str) for d in s.shape)]
+    if unbound:
+        s = unbound[0]
+        raise InputError(f"{source}: training needs static shapes, but input {s.name!r} has shape "
+                         f"[{', '.join(map(str, s.shape))}]: pass batch= and seq=, or shapes={{{s.name!r}: [...]}}")
+    mod, trainable = _split_trainable(imported)
+    if not trainable:
+        raise TvmdmError(f"{imported.source}: the model has no float initializers to train")
+    try:
+        mod = train_graph.training_module(mod, len(imported.inputs), loss, optimizer)
+    except tvm.error.TVMError as err:
+        first = str(err).strip().splitlines()[-1]
+        raise TvmdmError(f"{imported.source}: cannot differentiate the model: {first}") from None
+    timings["graph"] = time.perf_counter() - t0
+    tvm_target = make_target(target)
+    t0 = time.perf_counter()
+    mod = fuse_stage.fuse(mod, fusion)
+    mod, tuned = _schedule(mod, tvm_target, tuning_logs)
+    timings["fuse+schedule"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    executable = relax.build(mod, target=tvm_target)
+    timings["build"] = time.perf_counter() - t0
+    log.info("compiled training step of %s for %s: %d kernels (%d tuned); %s", imported.source, tvm_target.kind.name,
+             len(kernels(mod)), len(tuned), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    target_ty = mod["loss_and_grads"].params[len(imported.inputs)].ty
+    step = TrainStep(executable, inputs=imported.inputs, outputs=imported.outputs, params=trainable,
+                     target_kind=tvm_target.kind.name, index_bounds=imported.index_bounds,
+                     target_spec=TensorSpec(TARGET_KEYS[0], tuple(int(d) for d in target_ty.shape), str(target_ty.dtype)),
+                     optimizer=optimizer, loss_name=loss if isinstance(loss, str) else "custom")
+    step.timings, step.mod, step.imported = timings, mod, imported
+    return step

@@ -1,0 +1,141 @@
+"""The training graph as Relax passes: forward + loss -> reverse-mode gradient -> AdamW update, one function.
+
+    main(inputs..., weights...)                                   (the imported ONNX model)
+ -> loss(inputs..., target, weights...)                           add_loss
+ -> loss_adjoint(...) -> (loss, (grad_w...))                      relax.transform.Gradient
+ -> train_step(inputs..., target, weights..., m..., v..., decay, step_size, bc2_sqrt)
+        -> (loss, weights'..., m'..., v'...)                     add_train_step
+
+Everything stays in one dataflow block, so FuseOps can fuse the update's element-wise work and the backward
+kernels like the forward ones. The AdamW scalars that change per step (bias corrections, learning rate) are
+inputs, so schedules need no recompile; betas and eps are compiled in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+
+LOSSES = ("mse", "cross_entropy")
+IGNORE_INDEX = -100  # label value that cross_entropy skips, as in torch and HF (padding, unmasked MLM tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """torch.optim.AdamW's update rule (decoupled weight decay, bias-corrected moments)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    def scalars(self, step: int, lr: float | None = None) -> list[np.ndarray]:
+        """The per-step inputs of train_step for 1-based ``step``: [decay, step_size, bc2_sqrt]."""
+        lr = self.lr if lr is None else lr
+        b1, b2 = self.betas
+        values = (1.0 - lr * self.weight_decay, lr / (1.0 - b1 ** step), math.sqrt(1.0 - b2 ** step))
+        return [np.array(v, dtype=np.float32) for v in values]
+
+
+def _emit_body(bb: relax.BlockBuilder, func: relax.Function):
+    """Re-emit ``func``'s bindings into the current dataflow block (its params must be in scope); returns its
+    result expression. This inlines a function without a call, which Gradient could not see through."""
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            bb.emit_normalized(binding)
+    return func.body.body
+
+
+def loss_expr(kind, output: relax.Expr, target: relax.Expr) -> relax.Expr:
+    """Mean-reduced loss of the model's first output against ``target``."""
+    if callable(kind):
+        return kind(output, target)
+    if kind == "mse":
+        diff = relax.op.subtract(output, target)
+        return relax.op.mean(relax.op.multiply(diff, diff))
+    if kind == "cross_entropy":
+        # logits [..., classes] with int64 labels [...]: flatten to [N, C] / [N] as torch's F.cross_entropy does
+        shape = [int(d) for d in output.ty.shape]
+        classes, rows = shape[-1], int(np.prod(shape[:-1]))
+        logits = relax.op.reshape(output, [rows, classes])
+        labels = relax.op.reshape(target, [rows])
+        return relax.op.nn.nll_loss(relax.op.nn.log_softmax(logits, axis=-1), labels, reduction="mean",
+                                    ignore_index=IGNORE_INDEX)
+    raise ValueError(f"unknown loss {kind!r}; choose one of {list(LOSSES)} or pass a callable")
+
+
+def target_type(kind, output_type: relax.TensorType) -> relax.TensorType:
+    """What ``target`` must be: labels [...] int64 for cross_entropy, else the output's own shape and dtype."""
+    if kind == "cross_entropy":
+        return relax.TensorType(list(output_type.shape)[:-1], "int64")
+    return relax.TensorType(list(output_type.shape), output_type.dtype)
+
+
+def add_loss(mod: tvm.IRModule, loss, n_inputs: int) -> tvm.IRModule:
+    """Add ``loss(inputs..., target, weights...)``: main's body, then the loss of its first output."""
+    main = mod["main"]
+    inputs, weights = list(main.params[:n_inputs]), list(main.params[n_inputs:])
+    out_type = main.ret_ty.fields[0] if isinstance(main.ret_ty, relax.TupleType) else main.ret_ty
+    for p in main.params:
+        if any(not isinstance(d, tvm.tirx.IntImm) for d in p.ty.shape):
+            raise ValueError(f"training needs static shapes: input {p.name!r} has shape {list(p.ty.shape)}; "
+                             "bind them with shapes=")
+    target = relax.Var("target", target_type(loss, out_type))
+    bb = relax.BlockBuilder(mod)
+    with bb.function("loss", inputs + [target] + weights):
+        with bb.dataflow():
+            result = _emit_body(bb, main)
+            output = result.fields[0] if isinstance(result, relax.Tuple) else result
+            value = bb.emit_output(loss_expr(loss, output, target))
+        bb.emit_func_output(value)
+    return bb.get()
+
+
+def add_train_step(mod: tvm.IRModule, n_inputs: int, optimizer: AdamW) -> tvm.IRModule:
+    """Differentiate ``loss`` w.r.t. the weights and add ``train_step``: gradient + AdamW, one dataflow block.
+    Returns a module of ``main`` (inference), ``loss_and_grads`` (no update) and ``train_step``."""
+    from tvmdm import compat
+
+    compat.register_missing_gradients()
+    loss = mod["loss"]
+    weights = list(loss.params[n_inputs + 1:])
+    adjoint = relax.transform.Gradient("loss", require_grads=weights)(mod)["loss_adjoint"]
+    adjoint = relax.utils.copy_with_new_vars(adjoint)  # fresh vars: no sharing with main / loss
+    fixed, weights = list(adjoint.params[:n_inputs + 1]), list(adjoint.params[n_inputs + 1:])
+    moments = [[relax.Var(f"{kind}_{w.name}", w.ty) for w in weights] for kind in ("m", "v")]
+    scalar = relax.TensorType([], "float32")
+    decay, step_size, bc2_sqrt = (relax.Var(n, scalar) for n in ("decay", "step_size", "bc2_sqrt"))
+    b1, b2 = optimizer.betas
+
+    def c(value):
+        return relax.const(value, "float32")
+
+    bb = relax.BlockBuilder(tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint == "main"}))
+    grads_fn = relax.utils.copy_with_new_vars(adjoint)  # loss and gradients without an update, for checks
+    bb.add_func(grads_fn.with_attr("global_symbol", "loss_and_grads"), "loss_and_grads")
+    with bb.function("train_step", fixed + weights + moments[0] + moments[1] + [decay, step_size, bc2_sqrt]):
+        with bb.dataflow():
+            result = _emit_body(bb, adjoint)
+            loss_value, grads = result.fields[0], result.fields[1]
+            new_w, new_m, new_v = [], [], []
+            for i, (w, m, v) in enumerate(zip(weights, *moments)):
+                g = grads.fields[i] if isinstance(grads, relax.Tuple) else bb.emit(relax.TupleGetItem(grads, i))
+                m1 = bb.emit(m * c(b1) + g * c(1.0 - b1))
+                v1 = bb.emit(v * c(b2) + g * g * c(1.0 - b2))
+                denom = relax.op.sqrt(v1) / bc2_sqrt + c(optimizer.eps)
+                new_w.append(bb.emit(w * decay - step_size * m1 / denom))
+                new_m.append(m1)
+                new_v.append(v1)
+            out = bb.emit_output(relax.Tuple([loss_value, *new_w, *new_m, *new_v]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def training_module(mod: tvm.IRModule, n_inputs: int, loss, optimizer: AdamW) -> tvm.IRModule:
+    from tvmdm import compat
+
+    mod = compat.flatten_take_indices()(mod)
+    return add_train_step(add_loss(mod, loss, n_inputs), n_inputs, optimizer)
