@@ -1,4 +1,4 @@
-"""The ``tvmdm`` command line: compile, run, tune, bench, analyze, demo.
+"""The ``tvmdm`` command line: compile, run, tune, bench, analyze, train, demo.
 
 Errors tvmdm raises on purpose are printed as one line naming what is wrong (exit 2); TVM_DEBUG=1 or
 TVMDM_DEBUG=1 shows the traceback too.
@@ -164,6 +164,15 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from tvmdm.train_task import run_train
+
+    losses = run_train(args.model, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
+                       target=args.target, plot=None if args.plot == "" else args.plot, json_path=args.json,
+                       export=args.export)
+    return 0 if np.isfinite(losses).all() else 1
+
+
 def cmd_demo(args) -> int:
     from tvmdm.demo import run_demo
 
@@ -237,6 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int)
     p.add_argument("--seq", type=int)
     p.set_defaults(func=cmd_analyze)
+
+    p = sub.add_parser("train", help="train a BERT classifier on a synthetic task with the compiled training step")
+    p.add_argument("model", nargs="?", help="ONNX sequence-classification export (default: the embedded "
+                   "bert-small with a classifier head)")
+    p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
+    p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
+    p.add_argument("--target", default="llvm")
+    p.add_argument("--plot", default="train_loss.png", help="loss curve PNG (default train_loss.png; '' for none)")
+    p.add_argument("--json", help="write the losses as JSON")
+    p.add_argument("--export", help="write the trained step (weights + optimizer state) for load_train_step")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="compile an embedded BERT model, run it and check it against onnxruntime")
     p.add_argument("--model", default="bert-base-layer", help="embedded model (default: bert-base-layer)")

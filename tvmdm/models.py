@@ -127,11 +127,11 @@ def _additive_mask(g: _GraphBuilder, attention_mask: str) -> str:
                         g.const(np.finfo(np.float32).min, np.float32)], "mask")
 
 
-def _finish(g: _GraphBuilder, name: str, inputs, output: str, out_name: str, hidden: int) -> onnx.ModelProto:
+def _finish(g: _GraphBuilder, name: str, inputs, output: str, out_name: str, out_shape) -> onnx.ModelProto:
     g.nodes.append(helper.make_node("Identity", [output], [out_name], name=f"/{out_name}"))
     graph = helper.make_graph(
         g.nodes, name, inputs,
-        [helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["batch", "seq", hidden])],
+        [helper.make_tensor_value_info(out_name, TensorProto.FLOAT, list(out_shape))],
         initializer=g.initializers,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="tvmdm")
@@ -148,11 +148,13 @@ def build_encoder_layer(cfg: BertConfig = BertConfig()) -> onnx.ModelProto:
         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"]),
     ]
     out = _encoder_layer(g, "hidden_states", _additive_mask(g, "attention_mask"), cfg, "layer.0")
-    return _finish(g, "bert_encoder_layer", inputs, out, "output", cfg.hidden)
+    return _finish(g, "bert_encoder_layer", inputs, out, "output", ["batch", "seq", cfg.hidden])
 
 
-def build_bert(cfg: BertConfig) -> onnx.ModelProto:
-    """Embeddings (word + position + token type, LayerNorm) followed by ``cfg.layers`` encoder layers."""
+def build_bert(cfg: BertConfig, num_labels: int | None = None) -> onnx.ModelProto:
+    """Embeddings (word + position + token type, LayerNorm) followed by ``cfg.layers`` encoder layers.
+    With ``num_labels``, HF's BertForSequenceClassification head follows (pooler on the first token: dense +
+    tanh, then a classifier) and the output is ``logits`` (batch, num_labels)."""
     g = _GraphBuilder(cfg.seed)
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
@@ -173,7 +175,12 @@ def build_bert(cfg: BertConfig) -> onnx.ModelProto:
     mask = _additive_mask(g, "attention_mask")
     for i in range(cfg.layers):
         x = _encoder_layer(g, x, mask, cfg, f"encoder.layer.{i}")
-    return _finish(g, "bert", inputs, x, "last_hidden_state", cfg.hidden)
+    if num_labels is None:
+        return _finish(g, "bert", inputs, x, "last_hidden_state", ["batch", "seq", cfg.hidden])
+    first = g.op("Gather", [x, g.const(0)], "pooler", axis=1)  # [CLS] token: (batch, hidden)
+    pooled = g.op("Tanh", [g.linear(first, "pooler.dense", cfg.hidden, cfg.hidden)], "pooler")
+    logits = g.linear(pooled, "classifier", cfg.hidden, num_labels)
+    return _finish(g, "bert_classifier", inputs, logits, "logits", ["batch", num_labels])
 
 
 def default_model(name: str) -> onnx.ModelProto:

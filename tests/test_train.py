@@ -1,0 +1,211 @@
+"""The compiled training step against PyTorch autograd and torch.optim.AdamW, on the same weights."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tvmdm
+from tvmdm import train_task
+from tvmdm.errors import ArtifactError, InputError
+
+torch = pytest.importorskip("torch")
+
+LR = 1e-2
+
+
+def _rel_err(got, want, floor):
+    """Max abs error over the reference's largest magnitude (with a floor for all-but-zero gradients, such as
+    the key bias's, which softmax's shift invariance makes exactly zero in theory)."""
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), floor))
+
+
+@pytest.fixture(scope="module")
+def layer_step(tiny_layer):
+    return tvmdm.compile_train_step(tiny_layer, loss="mse", optimizer=tvmdm.AdamW(lr=LR), batch=2, seq=8,
+                                    tuning_logs=None)
+
+
+@pytest.fixture(scope="module")
+def layer_batch(layer_step):
+    feeds = tvmdm.random_inputs(layer_step, batch=2, seq=8)
+    labels = np.random.default_rng(1).standard_normal(layer_step.target_spec.shape).astype(np.float32)
+    return dict(feeds, labels=labels)
+
+
+def _torch_layer(tiny_layer):
+    from tvmdm.torch_reference import TorchReference
+
+    ref = TorchReference("bert-tiny-layer", tiny_layer)
+    ref.module.train()
+    linear = {f"{n}.weight" for n, m in ref.module.named_modules() if isinstance(m, torch.nn.Linear)}
+    # our name and layout of each torch parameter: ONNX keeps Linear weights as [in, out]
+    layout = {n: ("layer.0." + n, n in linear) for n, _ in ref.module.named_parameters()}
+    return ref, layout
+
+
+def _torch_layer_loss(ref, batch):
+    out = ref.forward(ref.torch_inputs({k: v for k, v in batch.items() if k != "labels"}))
+    out = out[0] if isinstance(out, tuple) else out
+    return torch.nn.functional.mse_loss(out, torch.from_numpy(batch["labels"]))
+
+
+def _ours(array, transposed):
+    return array.T if transposed else array
+
+
+def test_layer_loss_and_every_gradient_match_torch_autograd(tiny_layer, layer_step, layer_batch):
+    ref, layout = _torch_layer(tiny_layer)
+    loss, grads = layer_step.gradients(layer_batch)
+    torch_loss = _torch_layer_loss(ref, layer_batch)
+    torch_loss.backward()
+    assert loss == pytest.approx(torch_loss.item(), rel=1e-5)
+    assert len(grads) == len(layout) == 16
+    scale = max(p.grad.abs().max().item() for p in ref.module.parameters())
+    for name, p in ref.module.named_parameters():
+        ours, transposed = layout[name]
+        assert _rel_err(_ours(grads[ours], transposed), p.grad.numpy(), 1e-3 * scale) < 1e-5, name
+
+
+def test_three_adamw_steps_match_torch_optim(tiny_layer, layer_step, layer_batch):
+    ref, layout = _torch_layer(tiny_layer)
+    start = layer_step.state_dict()
+    optimizer = torch.optim.AdamW(ref.module.parameters(), lr=LR)  # torch's defaults = tvmdm.AdamW's
+    try:
+        for _ in range(3):
+            ours = layer_step.step(layer_batch)
+            optimizer.zero_grad()
+            theirs = _torch_layer_loss(ref, layer_batch)
+            theirs.backward()
+            optimizer.step()
+            assert ours == pytest.approx(theirs.item(), rel=1e-5)
+        params = layer_step.params()
+        for name, p in ref.module.named_parameters():
+            ours, transposed = layout[name]
+            got, want = _ours(params[ours], transposed), p.detach().numpy()
+            if name == "attention.self.key.bias":
+                # Its gradient is zero in exact arithmetic (softmax is shift-invariant), so Adam, normalizing
+                # rounding noise, moves it by up to lr a step in both frameworks: only that bound holds.
+                start_value = _ours(start[f"weights/{ours}"], transposed)
+                assert np.abs(got - start_value).max() <= 3 * LR * 1.01
+                continue
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+        assert layer_step.step_count == 3
+    finally:
+        layer_step.load_state_dict(start)
+
+
+def test_hf_sequence_classifier_gradients_match_torch_autograd(hf_export):
+    import hf_exports
+
+    step = tvmdm.compile_train_step(hf_export("bert-seqcls", dynamic=True), loss="cross_entropy", batch=2, seq=8,
+                                    tuning_logs=None)
+    feeds = hf_exports.sample_inputs("bert-seqcls")
+    labels = np.array([0, 2], dtype=np.int64)
+    loss, grads = step.gradients(dict(feeds, labels=labels))
+    model = hf_exports.tiny_model("bert-seqcls").train()
+    for m in model.modules():  # dropout off: the compiled step has none unless asked
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    out = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}, labels=torch.from_numpy(labels))
+    out.loss.backward()
+    assert loss == pytest.approx(out.loss.item(), rel=1e-5)
+    # The exporter renames initializers (Linear weights become onnx::MatMul_N, transposed): match by value.
+    weights = step.params()
+    scale = max(p.grad.abs().max().item() for p in model.parameters())
+    matched = set()
+    for name, p in model.named_parameters():
+        value = p.detach().numpy()
+        hits = [(k, False) for k, w in weights.items() if w.shape == value.shape and np.array_equal(w, value)]
+        hits += [(k, True) for k, w in weights.items() if w.ndim == 2 and w.shape == value.T.shape
+                 and np.array_equal(w, value.T)]
+        assert len(hits) == 1, f"{name}: {len(hits)} initializers carry its value"
+        ours, transposed = hits[0]
+        matched.add(ours)
+        assert _rel_err(_ours(grads[ours], transposed), p.grad.numpy(), 1e-3 * scale) < 1e-5, name
+    assert matched == set(weights)  # every trained tensor is a torch parameter
+
+
+def test_fifty_steps_lower_the_loss_on_the_synthetic_task(tmp_path):
+    losses = train_task.run_train(steps=50, batch=8, seq=16, lr=1e-3, plot=str(tmp_path / "loss.png"),
+                                  json_path=str(tmp_path / "losses.json"))
+    assert len(losses) == 50 and np.isfinite(losses).all()
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "losses.json").read_text())["losses"] == losses
+
+
+LOAD_AND_STEP = """
+import sys, numpy as np, tvmdm
+assert "onnx" not in sys.modules
+step = tvmdm.load_train_step(sys.argv[1])
+batch = dict(np.load(sys.argv[2]))
+loss = step.step(batch)
+assert "onnx" not in sys.modules, "loading a training step must not need onnx"
+np.savez(sys.argv[3], loss=loss, **{"state|" + k.replace("/", "|"): v for k, v in step.state_dict().items()})
+"""
+
+
+def test_export_and_load_resume_training_in_a_fresh_process(layer_step, layer_batch, tmp_path):
+    start = layer_step.state_dict()
+    try:
+        layer_step.step(layer_batch)
+        path = layer_step.export(tmp_path / "step.tar")
+        np.savez(tmp_path / "batch.npz", **layer_batch)
+        expected_loss = layer_step.step(layer_batch)
+        expected = layer_step.state_dict()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        subprocess.run([sys.executable, "-c", LOAD_AND_STEP, path, tmp_path / "batch.npz", tmp_path / "out.npz"],
+                       check=True, env=env, cwd=tmp_path)
+        out = np.load(tmp_path / "out.npz")
+        assert float(out["loss"]) == pytest.approx(expected_loss, rel=1e-6)
+        assert int(out["state|step"]) == 2
+        for key, value in expected.items():
+            np.testing.assert_allclose(out["state|" + key.replace("/", "|")], value, rtol=1e-6, atol=1e-7, err_msg=key)
+    finally:
+        layer_step.load_state_dict(start)
+
+
+def test_state_dict_round_trip(layer_step, layer_batch):
+    start = layer_step.state_dict()
+    assert int(start["step"]) == 0 and all(not v.any() for k, v in start.items() if k.startswith("adam_"))
+    first = layer_step.step(layer_batch)
+    layer_step.load_state_dict(start)
+    assert layer_step.step(layer_batch) == first  # same state, same batch: the same loss, bit for bit
+    layer_step.load_state_dict(start)
+
+
+def test_bad_batches_and_states_are_named(layer_step, layer_batch):
+    with pytest.raises(InputError, match="exactly one of \\['labels', 'target'\\]"):
+        layer_step.step({k: v for k, v in layer_batch.items() if k != "labels"})
+    with pytest.raises(InputError, match=r"batch\['labels'\] must be float32 \[2, 8, 32\]"):
+        layer_step.step(dict(layer_batch, labels=layer_batch["labels"].astype(np.float64)))
+    with pytest.raises(InputError, match="input 'attention_mask' axis 1 has size 4"):
+        layer_step.step(dict(layer_batch, attention_mask=np.ones((2, 4), np.int64)))
+    state = layer_step.state_dict()
+    with pytest.raises(InputError, match="missing \\['adam_m/layer.0"):
+        layer_step.load_state_dict({k: v for k, v in state.items() if not k.startswith("adam_m/")})
+    name = "weights/layer.0.output.dense.bias"
+    with pytest.raises(InputError, match=f"state\\['{name}'\\] is float32 \\[3\\]"):
+        layer_step.load_state_dict(dict(state, **{name: np.zeros(3, np.float32)}))
+
+
+def test_training_needs_static_shapes_and_a_train_step_file(tiny_layer, tiny_compiled, tmp_path):
+    with pytest.raises(InputError, match="training needs static shapes, but input 'hidden_states' has shape "
+                                         "\\[batch, seq, 32\\]: pass batch= and seq="):
+        tvmdm.compile_train_step(tiny_layer)
+    inference = tiny_compiled.export(tmp_path / "inference.tvmdm")
+    with pytest.raises(ArtifactError, match="expected tvmdm-train-step v1"):
+        tvmdm.load_train_step(inference)
+
+
+def test_cli_train_runs_with_progress_and_plot(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tvmdm.cli", "train", "--steps", "3", "--batch", "2", "--seq", "8",
+                          "--plot", str(tmp_path / "loss.png"), "--export", str(tmp_path / "step.tar")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "3/3 steps" in out.stderr and "ms/step" in out.stderr
+    assert (tmp_path / "loss.png").exists()
+    assert tvmdm.load_train_step(tmp_path / "step.tar").step_count == 3
