@@ -29,6 +29,7 @@ class Timing:
     runs: int
     gflops_per_s: float | None = None
     vs_onnxruntime: float | None = None
+    vs_torch_eager: float | None = None  # the training bench's baseline
 
 
 def time_until_stable(fn, *, warmup: int = 2, min_runs: int = 5, max_runs: int = 100, max_seconds: float = 30.0,
@@ -233,12 +234,13 @@ def _dims(compiled, shapes: dict) -> dict:
     return dims
 
 
-def format_table(timings: list[Timing]) -> list[str]:
-    lines = [f"{'system':<26}{'median ms':>11}{'p10':>9}{'p90':>9}{'runs':>6}{'GFLOP/s':>9}{'vs ORT':>9}"]
+def format_table(timings: list[Timing], ratio: str = "vs_onnxruntime", label: str = "vs ORT") -> list[str]:
+    lines = [f"{'system':<26}{'median ms':>11}{'p10':>9}{'p90':>9}{'runs':>6}{'GFLOP/s':>9}{label:>9}"]
     for t in timings:
         gf = f"{t.gflops_per_s:>9.1f}" if t.gflops_per_s else f"{'':>9}"
+        r = getattr(t, ratio)
         lines.append(f"{t.system:<26}{t.median_ms:>11.2f}{t.p10_ms:>9.2f}{t.p90_ms:>9.2f}{t.runs:>6}{gf}"
-                     f"{t.vs_onnxruntime:>8.2f}x")
+                     + (f"{r:>8.2f}x" if r is not None else f"{'-':>9}"))
     return lines
 
 

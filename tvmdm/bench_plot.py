@@ -13,7 +13,8 @@ def plot_bench(result: dict, path: str) -> str:
     _bars(axes[0][0], result)
     if scan:
         _scan_lines(axes[0][1], scan)
-    fig.suptitle(f"{result['model']} {result['shapes']} on {result['machine']['cpu']['model']}, "
+    what = " training step" if result.get("ratio") == "vs_torch_eager" else ""
+    fig.suptitle(f"{result['model']}{what} {result['shapes']} on {result['machine']['cpu']['model']}, "
                  f"{result['threads']} threads", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -30,9 +31,11 @@ def _bars(ax, result: dict) -> None:
     colors = ["tab:blue" if n.startswith("tvmdm") else "tab:orange" if n.startswith("onnx") else "tab:green"
               for n in names]
     ax.barh(names, medians, xerr=[low, high], color=colors, capsize=3)
+    ratio = result.get("ratio", "vs_onnxruntime")
+    baseline = {"vs_onnxruntime": "ORT", "vs_torch_eager": "torch eager"}[ratio]
     for y, t in enumerate(timings):
-        ax.text(t["p90_ms"], y, f"  {t['median_ms']:.3g} ms ({t['vs_onnxruntime']:.2f}x ORT)", va="center",
-                fontsize=8)
+        versus = f" ({t[ratio]:.2f}x {baseline})" if t.get(ratio) is not None else ""
+        ax.text(t["p90_ms"], y, f"  {t['median_ms']:.3g} ms{versus}", va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("median latency, ms (whiskers: p10-p90)")
     ax.set_xlim(0, max(t["p90_ms"] for t in timings) * 1.6)

@@ -132,6 +132,13 @@ def cmd_bench(args) -> int:
     from tvmdm.bench import run_bench
 
     model = args.model_flag or args.model
+    if args.train:
+        from tvmdm.bench_train import run_train_bench
+
+        run_train_bench(model, batch=args.batch, seq=args.seq, target=args.target, min_runs=args.min_runs,
+                        max_seconds=args.max_seconds, torch=not args.no_torch,
+                        torch_compile=not args.no_torch_compile, json_path=args.json, plot_path=args.plot)
+        return 0
     scan = None
     if args.scan or args.scan_seq or args.scan_batch:
         scan = {"seq": args.scan_seq or [64, 128, 256, 512], "batch": args.scan_batch or [1, 8, 32]}
@@ -221,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="llvm", help="llvm, or cuda on a machine with a GPU")
     p.add_argument("--fusion", default="tvm", help="comma-separated fusion levels to time (first is 'tvmdm')")
     p.add_argument("--untuned", action="store_true", help="also time tvmdm without tuning logs")
+    p.add_argument("--train", action="store_true", help="time one training step (forward, loss, backward, AdamW) "
+                   "against PyTorch eager and torch.compile instead of inference")
     p.add_argument("--min-runs", type=int, default=5, help="timed runs per round; rounds go on until the median "
                    "moves < 2%% (default 5)")
     p.add_argument("--max-seconds", type=float, default=30.0, help="time limit per system (default 30)")

@@ -1,0 +1,135 @@
+"""``tvmdm bench --train``: one training step (forward, loss, backward, AdamW) of tvmdm vs PyTorch, side by side.
+
+Every system starts from the same weights and takes the same batch (the model's inputs and an MSE target of its
+output's shape). Before timing, each takes two steps and the losses they report must agree (the second one
+checks the update, too). Then each is timed until its median is stable, as the inference bench does.
+GFLOP/s counts 3x the forward matmul flops (forward, input gradients, weight gradients).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+from tvmdm.bench import format_table, matmul_flops, summarize, time_until_stable
+from tvmdm.errors import TvmdmError
+
+LR = 1e-4
+
+
+def _torch_step(ref, feeds: dict, target: np.ndarray, lr: float):
+    """A PyTorch training step on ``ref``'s module (an HF twin of the ONNX model): returns step() -> loss."""
+    import torch
+
+    ref.module.train()
+    optimizer = torch.optim.AdamW(ref.module.parameters(), lr=lr)
+    inputs, target_t = ref.torch_inputs(feeds), torch.from_numpy(target).to(ref.device)
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        out = ref.forward(inputs)
+        loss = torch.nn.functional.mse_loss(out[0] if isinstance(out, tuple) else out, target_t)
+        loss.backward()
+        optimizer.step()
+        return loss.item()  # a host read: the step has finished, as tvmdm's returns its loss
+
+    return step
+
+
+def training_systems(model: str, proto, batch: int, seq: int, *, target: str = "llvm", torch: bool = True,
+                     torch_compile: bool = True, tuning_logs="shipped", lr: float = LR):
+    """name -> step() callable returning the loss, plus skipped systems with reasons, plus the TrainStep."""
+    import tvmdm
+    from tvmdm import models
+
+    step = tvmdm.compile_train_step(proto, loss="mse", optimizer=tvmdm.AdamW(lr=lr), target=target, batch=batch,
+                                    seq=seq, tuning_logs=tuning_logs)
+    feeds = tvmdm.random_inputs(step, batch=batch, seq=seq)
+    labels = np.random.default_rng(1).standard_normal(step.target_spec.shape).astype(np.float32)
+    systems = {"tvmdm": lambda: step.step(dict(feeds, labels=labels))}
+    skipped = {}
+    if not torch:
+        return systems, skipped, step, feeds
+    try:
+        import torch as torch_mod
+
+        from tvmdm.torch_reference import TorchReference
+    except ImportError as err:
+        return systems, {"torch-eager": f"not installed ({err.name}); pip install -e '.[dev]'"}, step, feeds
+    if model not in models.DEFAULT_MODELS:
+        return systems, {"torch-eager": "PyTorch trains only the embedded models (their twins are HF modules)"}, \
+            step, feeds
+    from tvmdm.target import num_cores
+
+    torch_mod.set_num_threads(num_cores())
+    systems["torch-eager"] = _torch_step(TorchReference(model, proto), feeds, labels, lr)
+    if torch_compile:
+        systems["torch-compile"] = _torch_step(TorchReference(model, proto).compile(), feeds, labels, lr)
+    return systems, skipped, step, feeds
+
+
+def check_training_agreement(systems: dict, rtol: float = 1e-3) -> dict:
+    """Two steps of every system from the same state: the losses must agree (the second checks the update)."""
+    losses = {name: [step(), step()] for name, step in systems.items()}
+    reference = losses["tvmdm"]
+    for name, pair in losses.items():
+        for i, (got, want) in enumerate(zip(pair, reference)):
+            if abs(got - want) > rtol * abs(want):
+                raise AssertionError(f"{name} disagrees with tvmdm at training step {i + 1}: loss {got:.7g} vs "
+                                     f"{want:.7g}")
+    return losses
+
+
+def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = None, target: str = "llvm",
+                    min_runs: int = 5, max_seconds: float = 30.0, torch: bool = True, torch_compile: bool = True,
+                    json_path: str | None = None, plot_path: str | None = None, tuning_logs="shipped",
+                    out=print) -> dict:
+    from tvmdm import models
+    from tvmdm.bench import _load
+    from tvmdm.cli import resolve_shapes
+    from tvmdm.machine import machine_info
+    from tvmdm.target import num_cores
+
+    proto = _load(model)
+    if model in models.DEFAULT_MODELS:
+        dims = models.default_dims(model)
+        batch, seq = batch or dims["batch"], seq or dims["seq"]
+    if batch is None or seq is None:
+        raise TvmdmError(f"bench --train needs concrete sizes for {model}: give --batch and --seq")
+    systems, skipped, step, _ = training_systems(model, proto, batch, seq, target=target, torch=torch,
+                                                 torch_compile=torch_compile, tuning_logs=tuning_logs)
+    losses = check_training_agreement(systems)
+    flops = matmul_flops(proto, resolve_shapes(model, None, batch, seq))
+    flops = 3 * flops if flops else None
+    timings = []
+    for name, fn in systems.items():
+        out(f"  timing {name} training step ...")
+        timings.append(summarize(name, time_until_stable(fn, warmup=1, min_runs=min_runs, max_seconds=max_seconds),
+                                 flops))
+    eager = next((t.median_ms for t in timings if t.system == "torch-eager"), None)
+    for t in timings:
+        t.vs_torch_eager = t.median_ms / eager if eager else None
+    out(f"{model} training step (forward + MSE loss + backward + AdamW): batch {batch}, seq {seq}, target {target}, "
+        f"{num_cores()} threads, {len(step.weight_names)} weight tensors, "
+        f"{(flops or 0) / 1e9:.2f} GFLOP of matmuls")
+    for line in format_table(timings, ratio="vs_torch_eager", label="vs eager"):
+        out(line)
+    for name, why in skipped.items():
+        out(f"  (skipped {name}: {why})")
+    result = {
+        "schema": "tvmdm-bench-train/1", "model": model, "shapes": {"batch": batch, "seq": seq}, "target": target,
+        "threads": num_cores(), "machine": machine_info(num_cores()), "matmul_flops_per_step": flops,
+        "timings": [dataclasses.asdict(t) for t in timings], "ratio": "vs_torch_eager",
+        "losses_first_two_steps": losses, "skipped": skipped,
+        "torch_eager_over_tvmdm": (eager / timings[0].median_ms) if eager else None,
+    }
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+        out(f"wrote {json_path}")
+    if plot_path:
+        from tvmdm.bench_plot import plot_bench
+
+        out(f"wrote {plot_bench(result, plot_path)}")
+    return result
