@@ -209,3 +209,39 @@ def test_cli_train_runs_with_progress_and_plot(tmp_path):
     assert "3/3 steps" in out.stderr and "ms/step" in out.stderr
     assert (tmp_path / "loss.png").exists()
     assert tvmdm.load_train_step(tmp_path / "step.tar").step_count == 3
+
+
+@pytest.fixture(scope="module")
+def small_classifier():
+    return train_task.classifier_model()
+
+
+def test_checkpointing_changes_no_number_and_cuts_live_memory(small_classifier):
+    from tvmdm.checkpoint import find_regions
+    from onnx_import import import_onnx
+
+    steps = {mode: tvmdm.compile_train_step(small_classifier, batch=8, seq=64, checkpoint=mode, tuning_logs=None)
+             for mode in (False, "attention", "layer")}
+    batch = train_task.synthetic_batch(steps[False], np.random.default_rng(0))
+    base_loss, base_grads = steps[False].gradients(batch)
+    base_steps = [steps[False].step(batch) for _ in range(2)]  # the second loss is after one update
+    for mode in ("attention", "layer"):
+        loss, grads = steps[mode].gradients(batch)
+        assert loss == pytest.approx(base_loss, rel=1e-6)
+        for name, g in base_grads.items():
+            np.testing.assert_allclose(grads[name], g, rtol=1e-5, atol=1e-7, err_msg=f"{mode}: {name}")
+        assert [steps[mode].step(batch) for _ in range(2)] == pytest.approx(base_steps, rel=1e-5)
+    peak = {mode: s.memory["peak_live"] for mode, s in steps.items()}
+    assert peak["layer"] < peak["attention"] < peak[False]
+    assert all(s.memory["planned"] > 0 for s in steps.values())
+    # two encoder layers: two regions each, the attention ones inside the layer ones
+    main = import_onnx(small_classifier, shapes={n: [8, 64] for n in ("input_ids", "attention_mask",
+                                                                     "token_type_ids")}).mod["main"]
+    attention, layer = find_regions(main, "attention"), find_regions(main, "layer")
+    assert len(attention) == len(layer) == 2
+    assert all(a[0] == l[0] and a[1] < l[1] for a, l in zip(attention, layer))
+
+
+def test_unknown_checkpoint_mode_is_named(tiny_layer):
+    with pytest.raises(ValueError, match="unknown checkpoint mode 'everything'"):
+        tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, checkpoint="everything")

@@ -29,8 +29,8 @@ class KernelProfile:
         return self.flops / self.seconds / 1e9 if self.seconds else None
 
 
-def call_sites(mod: tvm.IRModule) -> dict[str, int]:
-    """Kernel name -> number of call_tir sites in ``main`` (not of functions: one kernel can run twice)."""
+def call_sites(mod: tvm.IRModule, entry: str = "main") -> dict[str, int]:
+    """Kernel name -> number of call_tir sites in ``entry`` (not of functions: one kernel can run twice)."""
     counts: dict[str, int] = {}
     call_tir = tvm.ir.Op.get("relax.call_tir")
 
@@ -39,7 +39,7 @@ def call_sites(mod: tvm.IRModule) -> dict[str, int]:
             name = expr.args[0].name_hint
             counts[name] = counts.get(name, 0) + 1
 
-    relax.analysis.post_order_visit(mod["main"].body, visit)
+    relax.analysis.post_order_visit(mod[entry].body, visit)
     return counts
 
 
@@ -80,10 +80,11 @@ def _static(func: tirx.PrimFunc) -> bool:
     return all(isinstance(d, (int, tirx.IntImm)) for info in ArgInfo.from_prim_func(func) for d in info.shape)
 
 
-def profile_kernels(mod: tvm.IRModule, target, measure: bool = True, repeat: int = 5) -> list[KernelProfile]:
-    """One row per kernel of the scheduled module, most time first (measured when shapes are static)."""
+def profile_kernels(mod: tvm.IRModule, target, measure: bool = True, repeat: int = 5,
+                    entry: str = "main") -> list[KernelProfile]:
+    """One row per kernel that ``entry`` calls, most time first (measured when shapes are static)."""
     rows = []
-    for name, calls in call_sites(mod).items():
+    for name, calls in call_sites(mod, entry).items():
         func = mod[name]
         seconds = time_kernel(func, target, repeat) if measure and _static(func) else None
         rows.append(KernelProfile(name, calls, kernel_flops(mod, name), seconds))

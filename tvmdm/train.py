@@ -47,6 +47,8 @@ class TrainStep(ModelRunner):
         self.loss_name = loss_name
         self.lr = optimizer.lr  # settable: a schedule changes it between steps without recompiling
         self.step_count = step_count
+        self.memory: dict[str, int] = {}  # bytes: "planned" by relax, "peak_live" tensors (checkpoint.py)
+        self.checkpoint = False
         zeros = {n: np.zeros_like(v) for n, v in self._host_params.items()}
         moments = moments or {"m": zeros, "v": zeros}
         self._host_moments = {k: [np.asarray(moments[k][n], order="C") for n in self._host_params] for k in "mv"}
@@ -146,6 +148,7 @@ class TrainStep(ModelRunner):
             "inputs": [s.to_json() for s in self.inputs], "outputs": [s.to_json() for s in self.outputs],
             "index_bounds": {k: list(v) for k, v in self.index_bounds.items()},
             "target": self.target_spec.to_json(), "loss": self.loss_name, "lr": self.lr,
+            "memory": self.memory, "checkpoint": self.checkpoint,
             "optimizer": {"lr": self.optimizer.lr, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps,
                           "weight_decay": self.optimizer.weight_decay},
         }
@@ -168,7 +171,7 @@ def load_train_step(path: "str | os.PathLike") -> TrainStep:
                    loss_name=manifest["loss"],
                    moments={k: {n: state[f"adam_{k}/{n}"] for n in names} for k in "mv"},
                    step_count=int(state["step"]))
-    ts.lr = manifest["lr"]
+    ts.lr, ts.memory, ts.checkpoint = manifest["lr"], manifest["memory"], manifest["checkpoint"]
     return ts
 
 
@@ -187,7 +190,8 @@ def _split_trainable(imported) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
 
 
 def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None = None, target="llvm",
-                       shapes: dict | None = None, batch: int | None = None, seq: int | None = None, fusion: str = "tvm", tuning_logs="shipped") -> TrainStep:
+                       shapes: dict | None = None, batch: int | None = None, seq: int | None = None,
+                       checkpoint=False, fusion: str = "tvm", tuning_logs="shipped") -> TrainStep:
     """Compile a training step for an ONNX model (path or ModelProto): an encoder layer, a full BERT, or a
     BertForSequenceClassification / MaskedLM export. The loss applies to the model's first output.
 
@@ -195,14 +199,21 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     "mse" (a float target of the output's shape) or a callable (output, target) -> scalar Relax expr.
     Training needs static shapes: ``batch``/``seq`` bind the symbolic axes of every input (the first symbolic
     axis is the batch, the next the sequence), ``shapes`` (input name -> shape) binds inputs one by one.
+    checkpoint: False, "attention" or "layer": recompute those regions in the backward pass instead of keeping
+    their activations (``TrainStep.memory`` gives relax's planned bytes and the peak of live tensors).
     """
     from onnx_import import import_onnx
     from onnx_import.importer import onnx_input_specs
     from onnx_import.loader import load_model_proto
     from schedules.apply import kernels
+    from tvmdm.checkpoint import memory_estimate
     from tvmdm.inputs import concrete_shape
     from tvmdm.build import _schedule
 
+    from tvmdm.checkpoint import MODES
+
+    if checkpoint and checkpoint not in MODES:
+        raise ValueError(f"unknown checkpoint mode {checkpoint!r}; choose one of {list(MODES)} (or False)")
     optimizer = optimizer or AdamW()
     timings = {}
     t0 = time.perf_counter()
@@ -223,8 +234,8 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     if not trainable:
         raise TvmdmError(f"{imported.source}: the model has no float initializers to train")
     try:
-        mod = train_graph.training_module(mod, len(imported.inputs), loss, optimizer)
-    except tvm.error.TVMError as err:
+        mod = train_graph.training_module(mod, len(imported.inputs), loss, optimizer, checkpoint)
+    except (tvm.error.InternalError, RuntimeError, ValueError) as err:
         first = str(err).strip().splitlines()[-1]
         raise TvmdmError(f"{imported.source}: cannot differentiate the model: {first}") from None
     timings["graph"] = time.perf_counter() - t0
@@ -244,4 +255,6 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
                      target_spec=TensorSpec(TARGET_KEYS[0], tuple(int(d) for d in target_ty.shape), str(target_ty.dtype)),
                      optimizer=optimizer, loss_name=loss if isinstance(loss, str) else "custom")
     step.timings, step.mod, step.imported = timings, mod, imported
+    step.memory = memory_estimate(mod)
+    step.checkpoint = checkpoint
     return step

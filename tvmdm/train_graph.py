@@ -134,8 +134,13 @@ def add_train_step(mod: tvm.IRModule, n_inputs: int, optimizer: AdamW) -> tvm.IR
     return bb.get()
 
 
-def training_module(mod: tvm.IRModule, n_inputs: int, loss, optimizer: AdamW) -> tvm.IRModule:
+def training_module(mod: tvm.IRModule, n_inputs: int, loss, optimizer: AdamW, checkpoint=False) -> tvm.IRModule:
+    """main(inputs, weights) -> a module of main, loss_and_grads and train_step. ``checkpoint`` ("attention",
+    "layer" or False) marks the regions the backward pass recomputes instead of keeping."""
     from tvmdm import compat
+    from tvmdm.checkpoint import insert_checkpoints
 
     mod = compat.flatten_take_indices()(mod)
-    return add_train_step(add_loss(mod, loss, n_inputs), n_inputs, optimizer)
+    with_loss = add_loss(insert_checkpoints(checkpoint, n_inputs)(mod), loss, n_inputs)
+    with_loss["main"] = mod["main"]  # inference stays free of checkpoint markers
+    return add_train_step(with_loss, n_inputs, optimizer)
