@@ -18,8 +18,10 @@ import time
 from schedules.database import RECORDS, WORKLOADS, locked
 
 
-def extract_tasks(model, target, shapes=None, fusion="tvm"):
-    """(tuning tasks, the compile target) for ``model`` as tvmdm.compile would build it."""
+def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False, only=None):
+    """(tuning tasks, the compile target) for ``model`` as tvmdm.compile (or, with ``train``,
+    tvmdm.compile_train_step with an MSE loss) would build it. ``only``: keep the tasks whose name contains
+    one of these strings (e.g. ["matmul"]: the contractions, where most of the time goes)."""
     from tvm.s_tir import meta_schedule as ms
 
     from onnx_import import import_onnx
@@ -27,14 +29,22 @@ def extract_tasks(model, target, shapes=None, fusion="tvm"):
     from tvmdm.target import make_target
 
     tvm_target = make_target(target)
-    imported = import_onnx(model, shapes=shapes)
+    if train:
+        from tvmdm.train import training_graph
+
+        imported, mod, _ = training_graph(model, loss="mse", shapes=shapes)
+    else:
+        imported = import_onnx(model, shapes=shapes)
+        mod = imported.mod
     symbolic = [f"{spec.name}{list(spec.shape)}" for spec in imported.inputs
                 if any(isinstance(d, str) for d in spec.shape)]
     if symbolic:
         raise ValueError(f"inputs {symbolic} have symbolic dims: bind them (--batch/--seq or --shape NAME=D0xD1); "
                          "tuning measures one concrete size")
-    mod = fuse.fuse(imported.mod, fusion)
-    return ms.relax_integration.extract_tasks(mod, tvm_target), tvm_target
+    tasks = ms.relax_integration.extract_tasks(fuse.fuse(mod, fusion), tvm_target)
+    if only:
+        tasks = [t for t in tasks if any(key in t.task_name for key in only)]
+    return tasks, tvm_target
 
 
 def existing_trials(logs_dir: str, tasks) -> list[int]:
@@ -129,7 +139,8 @@ def make_runner(rpc_tracker: str | None, rpc_key: str | None, timeout_s: int = 3
 
 
 def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusion="tvm", per_iter: int = 8,
-         rpc_tracker=None, rpc_key=None, seed: int | None = 0, stream=None, name: str | None = None) -> dict:
+         rpc_tracker=None, rpc_key=None, seed: int | None = 0, stream=None, name: str | None = None,
+         train: bool = False, only=None) -> dict:
     """Tune until the log holds ``trials`` records for the model's tasks. Returns a summary dict."""
     from tvm.s_tir import meta_schedule as ms
 
@@ -139,7 +150,9 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
     stream = stream or sys.stderr
     # The tuner itself imports the tensor intrinsics too (~27 s of TVMScript parsing without this).
     compat.speed_up_tvmscript_parsing()
-    tasks, tvm_target = extract_tasks(model, target, shapes, fusion)
+    tasks, tvm_target = extract_tasks(model, target, shapes, fusion, train, only)
+    if not tasks:
+        raise ValueError(f"no tuning task left (--only {only})")
     names = [t.task_name for t in tasks]
     with locked(logs):
         have = existing_trials(logs, [t for t in tasks])
@@ -158,7 +171,7 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
                       builder=make_builder(), runner=make_runner(rpc_tracker, rpc_key), cost_model="xgb", measure_callbacks=callbacks)
         stream.write("\n" + progress.summary() + "\n")
         _write_meta(logs, name or model, tvm_target, shapes, fusion, sum(have) + progress.done,
-                    time.perf_counter() - progress.start)
+                    time.perf_counter() - progress.start, "training step" if train else "inference")
         return {"tasks": names, "trials_run": progress.done, "trials_in_log": sum(have) + progress.done,
                 "best_ms": dict(zip(names, [b * 1e3 for b in progress.best]))}
 
@@ -169,7 +182,7 @@ def _parse_shape(text):
     return parse(text)
 
 
-def _write_meta(logs, model, target, shapes, fusion, trials: int, seconds: float) -> None:
+def _write_meta(logs, model, target, shapes, fusion, trials: int, seconds: float, graph: str) -> None:
     """meta.json beside the database: what was tuned, for which target, and how long it took (cumulative)."""
     import json
     import platform
@@ -184,6 +197,7 @@ def _write_meta(logs, model, target, shapes, fusion, trials: int, seconds: float
         "target": str(target),
         "shapes": {k: list(v) for k, v in (shapes or {}).items()},
         "fusion": fusion,
+        "graph": graph,
         "trials": trials,
         "tuning_seconds": round(previous.get("tuning_seconds", 0.0) + seconds, 1),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
@@ -205,6 +219,10 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, help="bind every (batch, seq) input's batch dim")
     parser.add_argument("--seq", type=int, help="bind every (batch, seq) input's seq dim")
     parser.add_argument("--fusion", default="tvm", choices=["tvm", "none"])
+    parser.add_argument("--train", action="store_true", help="tune the kernels of the training step (forward, "
+                        "MSE loss, backward, AdamW) instead of inference")
+    parser.add_argument("--only", action="append", metavar="SUBSTRING", help="tune only the tasks whose name "
+                        "contains this (repeatable), e.g. --only matmul")
     parser.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on RPC servers through this tracker")
     parser.add_argument("--rpc-key", help="device key the RPC servers registered with")
     return parser
@@ -218,7 +236,7 @@ def main(argv=None, args=None) -> int:
     try:
         tune(_model_arg(args.model), logs=args.logs, target=args.target, trials=args.trials, shapes=shapes,
              fusion=args.fusion, per_iter=args.per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key,
-             name=args.model)
+             name=args.model, train=args.train, only=args.only)
     except KeyboardInterrupt:
         # Every joined batch is already in the log; only the batches in flight are lost.
         print(f"\ninterrupted: the records measured so far are in {args.logs}; rerun the same command to "

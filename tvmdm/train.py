@@ -189,34 +189,18 @@ def _split_trainable(imported) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
     return mod, trainable
 
 
-def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None = None, target="llvm",
-                       shapes: dict | None = None, batch: int | None = None, seq: int | None = None,
-                       checkpoint=False, fusion: str = "tvm", tuning_logs="shipped") -> TrainStep:
-    """Compile a training step for an ONNX model (path or ModelProto): an encoder layer, a full BERT, or a
-    BertForSequenceClassification / MaskedLM export. The loss applies to the model's first output.
-
-    loss: "cross_entropy" (int64 labels of the output's shape minus its last axis; -100 is ignored),
-    "mse" (a float target of the output's shape) or a callable (output, target) -> scalar Relax expr.
-    Training needs static shapes: ``batch``/``seq`` bind the symbolic axes of every input (the first symbolic
-    axis is the batch, the next the sequence), ``shapes`` (input name -> shape) binds inputs one by one.
-    checkpoint: False, "attention" or "layer": recompute those regions in the backward pass instead of keeping
-    their activations (``TrainStep.memory`` gives relax's planned bytes and the peak of live tensors).
-    """
+def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = None, shapes: dict | None = None,
+                   batch: int | None = None, seq: int | None = None, checkpoint=False):
+    """The training stages before fusion: import with static shapes, split trainable weights, build the
+    training module (train_graph). Returns (imported model, IRModule, trainable weights by name)."""
     from onnx_import import import_onnx
     from onnx_import.importer import onnx_input_specs
     from onnx_import.loader import load_model_proto
-    from schedules.apply import kernels
-    from tvmdm.checkpoint import memory_estimate
-    from tvmdm.inputs import concrete_shape
-    from tvmdm.build import _schedule
-
     from tvmdm.checkpoint import MODES
+    from tvmdm.inputs import concrete_shape
 
     if checkpoint and checkpoint not in MODES:
         raise ValueError(f"unknown checkpoint mode {checkpoint!r}; choose one of {list(MODES)} (or False)")
-    optimizer = optimizer or AdamW()
-    timings = {}
-    t0 = time.perf_counter()
     proto, source = load_model_proto(model)
     shapes = dict(shapes or {})
     if batch is not None or seq is not None:  # bind the symbolic (batch, seq) axes of every other input
@@ -232,12 +216,37 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
                          f"[{', '.join(map(str, s.shape))}]: pass batch= and seq=, or shapes={{{s.name!r}: [...]}}")
     mod, trainable = _split_trainable(imported)
     if not trainable:
-        raise TvmdmError(f"{imported.source}: the model has no float initializers to train")
+        raise TvmdmError(f"{source}: the model has no float initializers to train")
     try:
-        mod = train_graph.training_module(mod, len(imported.inputs), loss, optimizer, checkpoint)
+        mod = train_graph.training_module(mod, len(imported.inputs), loss, optimizer or AdamW(), checkpoint)
     except (tvm.error.InternalError, RuntimeError, ValueError) as err:
         first = str(err).strip().splitlines()[-1]
-        raise TvmdmError(f"{imported.source}: cannot differentiate the model: {first}") from None
+        raise TvmdmError(f"{source}: cannot differentiate the model: {first}") from None
+    return imported, mod, trainable
+
+
+def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None = None, target="llvm",
+                       shapes: dict | None = None, batch: int | None = None, seq: int | None = None,
+                       checkpoint=False, fusion: str = "tvm", tuning_logs="shipped") -> TrainStep:
+    """Compile a training step for an ONNX model (path or ModelProto): an encoder layer, a full BERT, or a
+    BertForSequenceClassification / MaskedLM export. The loss applies to the model's first output.
+
+    loss: "cross_entropy" (int64 labels of the output's shape minus its last axis; -100 is ignored),
+    "mse" (a float target of the output's shape) or a callable (output, target) -> scalar Relax expr.
+    Training needs static shapes: ``batch``/``seq`` bind the symbolic axes of every input (the first symbolic
+    axis is the batch, the next the sequence), ``shapes`` (input name -> shape) binds inputs one by one.
+    checkpoint: False, "attention" or "layer": recompute those regions in the backward pass instead of keeping
+    their activations (``TrainStep.memory`` gives relax's planned bytes and the peak of live tensors).
+    """
+    from schedules.apply import kernels
+    from tvmdm.build import _schedule
+    from tvmdm.checkpoint import memory_estimate
+
+    optimizer = optimizer or AdamW()
+    timings = {}
+    t0 = time.perf_counter()
+    imported, mod, trainable = training_graph(model, loss=loss, optimizer=optimizer, shapes=shapes, batch=batch,
+                                              seq=seq, checkpoint=checkpoint)
     timings["graph"] = time.perf_counter() - t0
     tvm_target = make_target(target)
     t0 = time.perf_counter()
