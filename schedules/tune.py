@@ -32,7 +32,7 @@ def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False,
     if train:
         from tvmdm.train import training_graph
 
-        imported, mod, _ = training_graph(model, loss="mse", shapes=shapes)
+        imported, mod, _, _ = training_graph(model, loss="mse", shapes=shapes)
     else:
         imported = import_onnx(model, shapes=shapes)
         mod = imported.mod

@@ -245,3 +245,51 @@ def test_checkpointing_changes_no_number_and_cuts_live_memory(small_classifier):
 def test_unknown_checkpoint_mode_is_named(tiny_layer):
     with pytest.raises(ValueError, match="unknown checkpoint mode 'everything'"):
         tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, checkpoint="everything")
+
+
+def _torch_layer_with_masks(module, x, attention_mask, masks):
+    """HF BertLayer's forward written out, with dropout as explicit keep-masks where HF applies it."""
+    sa = module.attention.self
+    b, s, hidden = x.shape
+    heads = sa.num_attention_heads
+    d = hidden // heads
+
+    def split(t):
+        return t.view(b, s, heads, d).transpose(1, 2)
+
+    q, k, v = split(sa.query(x)), split(sa.key(x)), split(sa.value(x))
+    additive = (1.0 - attention_mask[:, None, None, :].float()) * float(np.finfo(np.float32).min)
+    probs = torch.softmax(q @ k.transpose(-1, -2) / d ** 0.5 + additive, dim=-1) * masks[0]
+    context = (probs @ v).transpose(1, 2).reshape(b, s, hidden)
+    attn = module.attention.output.LayerNorm(module.attention.output.dense(context) * masks[1] + x)
+    inner = torch.nn.functional.gelu(module.intermediate.dense(attn))
+    return module.output.LayerNorm(module.output.dense(inner) * masks[2] + attn)
+
+
+def test_dropout_masks_sit_where_hf_applies_dropout_and_match_torch(tiny_layer, layer_batch):
+    ref, layout = _torch_layer(tiny_layer)
+    step = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, dropout=0.25, seed=7, tuning_logs=None)
+    assert [s.name for s in step.dropout.sites] == ["attention_probs.0", "hidden.0", "hidden.1"]
+    masks = step.dropout.masks(1)
+    assert all(set(np.unique(m)) <= {0.0, np.float32(1 / 0.75)} for m in masks)
+    assert 0.6 < np.mean(masks[0] > 0) < 0.9  # about 3/4 kept
+    loss, grads = step.gradients(layer_batch)
+    inputs = ref.torch_inputs({k: v for k, v in layer_batch.items() if k != "labels"})
+    out = _torch_layer_with_masks(ref.module, inputs["hidden_states"], inputs["attention_mask"],
+                                  [torch.from_numpy(m) for m in masks])
+    theirs = torch.nn.functional.mse_loss(out, torch.from_numpy(layer_batch["labels"]))
+    theirs.backward()
+    assert loss == pytest.approx(theirs.item(), rel=1e-5)
+    scale = max(p.grad.abs().max().item() for p in ref.module.parameters())
+    for name, p in ref.module.named_parameters():
+        ours, transposed = layout[name]
+        assert _rel_err(_ours(grads[ours], transposed), p.grad.numpy(), 1e-3 * scale) < 1e-5, name
+    # inference (run) has no dropout: the plain model, as HF's in eval mode
+    feeds = {k: v for k, v in layer_batch.items() if k != "labels"}
+    np.testing.assert_allclose(step.run(feeds)[0], ref.run(feeds)[0], rtol=1e-5, atol=1e-5)
+    # masks change every step and depend on the seed alone: the same seed replays the same losses
+    assert not np.array_equal(step.dropout.masks(2)[0], masks[0])
+    again = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, dropout=0.25, seed=7, tuning_logs=None)
+    other = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, dropout=0.25, seed=8, tuning_logs=None)
+    runs = [[s.step(layer_batch) for _ in range(3)] for s in (step, again, other)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]

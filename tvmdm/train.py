@@ -21,6 +21,7 @@ from tvm import relax
 
 from tvmdm import fuse as fuse_stage
 from tvmdm import train_graph
+from tvmdm.dropout import DropoutConfig
 from tvmdm.errors import InputError, TvmdmError
 from tvmdm.runtime import ModelRunner
 from tvmdm.spec import TensorSpec
@@ -39,7 +40,8 @@ class TrainStep(ModelRunner):
     with the current weights; ``gradients(batch)`` gives the loss and every weight's gradient (no update)."""
 
     def __init__(self, executable, *, inputs, outputs, params, target_kind, index_bounds, target_spec: TensorSpec,
-                 optimizer: AdamW, loss_name: str, moments=None, step_count: int = 0):
+                 optimizer: AdamW, loss_name: str, moments=None, step_count: int = 0,
+                 dropout: DropoutConfig = DropoutConfig()):
         super().__init__(executable, inputs=inputs, outputs=outputs, params=params, target_kind=target_kind,
                          index_bounds=index_bounds)
         self.target_spec = target_spec
@@ -47,6 +49,7 @@ class TrainStep(ModelRunner):
         self.loss_name = loss_name
         self.lr = optimizer.lr  # settable: a schedule changes it between steps without recompiling
         self.step_count = step_count
+        self.dropout = dropout
         self.memory: dict[str, int] = {}  # bytes: "planned" by relax, "peak_live" tensors (checkpoint.py)
         self.checkpoint = False
         zeros = {n: np.zeros_like(v) for n, v in self._host_params.items()}
@@ -80,7 +83,9 @@ class TrainStep(ModelRunner):
                              f"{self.loss_name} loss, got {got}")
         checked = self.check_inputs({k: v for k, v in batch.items() if k != keys[0]})
         self._ensure_loaded()
-        args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names]
+        # the inputs, then the dropout masks of the coming step (the same ones step() and gradients() use)
+        args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names] + \
+            [tvm.runtime.tensor(m, self.device) for m in self.dropout.masks(self.step_count + 1)]
         return args, tvm.runtime.tensor(np.asarray(target, order="C"), self.device)
 
     def step(self, batch: dict) -> float:
@@ -148,7 +153,7 @@ class TrainStep(ModelRunner):
             "inputs": [s.to_json() for s in self.inputs], "outputs": [s.to_json() for s in self.outputs],
             "index_bounds": {k: list(v) for k, v in self.index_bounds.items()},
             "target": self.target_spec.to_json(), "loss": self.loss_name, "lr": self.lr,
-            "memory": self.memory, "checkpoint": self.checkpoint,
+            "memory": self.memory, "checkpoint": self.checkpoint, "dropout": self.dropout.to_json(),
             "optimizer": {"lr": self.optimizer.lr, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps,
                           "weight_decay": self.optimizer.weight_decay},
         }
@@ -170,7 +175,7 @@ def load_train_step(path: "str | os.PathLike") -> TrainStep:
                    optimizer=AdamW(opt["lr"], tuple(opt["betas"]), opt["eps"], opt["weight_decay"]),
                    loss_name=manifest["loss"],
                    moments={k: {n: state[f"adam_{k}/{n}"] for n in names} for k in "mv"},
-                   step_count=int(state["step"]))
+                   step_count=int(state["step"]), dropout=DropoutConfig.from_json(manifest["dropout"]))
     ts.lr, ts.memory, ts.checkpoint = manifest["lr"], manifest["memory"], manifest["checkpoint"]
     return ts
 
@@ -190,9 +195,10 @@ def _split_trainable(imported) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
 
 
 def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = None, shapes: dict | None = None,
-                   batch: int | None = None, seq: int | None = None, checkpoint=False):
+                   batch: int | None = None, seq: int | None = None, checkpoint=False, dropout: float = 0.0):
     """The training stages before fusion: import with static shapes, split trainable weights, build the
-    training module (train_graph). Returns (imported model, IRModule, trainable weights by name)."""
+    training module (train_graph). Returns (imported model, IRModule, trainable weights by name, dropout
+    sites)."""
     from onnx_import import import_onnx
     from onnx_import.importer import onnx_input_specs
     from onnx_import.loader import load_model_proto
@@ -201,6 +207,8 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
 
     if checkpoint and checkpoint not in MODES:
         raise ValueError(f"unknown checkpoint mode {checkpoint!r}; choose one of {list(MODES)} (or False)")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1), got {dropout}")
     proto, source = load_model_proto(model)
     shapes = dict(shapes or {})
     if batch is not None or seq is not None:  # bind the symbolic (batch, seq) axes of every other input
@@ -218,16 +226,18 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
     if not trainable:
         raise TvmdmError(f"{source}: the model has no float initializers to train")
     try:
-        mod = train_graph.training_module(mod, len(imported.inputs), loss, optimizer or AdamW(), checkpoint)
+        mod, sites = train_graph.training_module(mod, len(imported.inputs), loss, optimizer or AdamW(), checkpoint,
+                                                 dropout=bool(dropout))
     except (tvm.error.InternalError, RuntimeError, ValueError) as err:
         first = str(err).strip().splitlines()[-1]
         raise TvmdmError(f"{source}: cannot differentiate the model: {first}") from None
-    return imported, mod, trainable
+    return imported, mod, trainable, sites
 
 
 def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None = None, target="llvm",
                        shapes: dict | None = None, batch: int | None = None, seq: int | None = None,
-                       checkpoint=False, fusion: str = "tvm", tuning_logs="shipped") -> TrainStep:
+                       checkpoint=False, dropout: float = 0.0, seed: int = 0, fusion: str = "tvm",
+                       tuning_logs="shipped") -> TrainStep:
     """Compile a training step for an ONNX model (path or ModelProto): an encoder layer, a full BERT, or a
     BertForSequenceClassification / MaskedLM export. The loss applies to the model's first output.
 
@@ -237,6 +247,8 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     axis is the batch, the next the sequence), ``shapes`` (input name -> shape) binds inputs one by one.
     checkpoint: False, "attention" or "layer": recompute those regions in the backward pass instead of keeping
     their activations (``TrainStep.memory`` gives relax's planned bytes and the peak of live tensors).
+    dropout: probability, applied where HF BERT applies it (embeddings, attention probabilities, the dense
+    branch of each residual) with keep-masks drawn per step from (seed, step): reproducible (tvmdm.dropout).
     """
     from schedules.apply import kernels
     from tvmdm.build import _schedule
@@ -245,8 +257,8 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     optimizer = optimizer or AdamW()
     timings = {}
     t0 = time.perf_counter()
-    imported, mod, trainable = training_graph(model, loss=loss, optimizer=optimizer, shapes=shapes, batch=batch,
-                                              seq=seq, checkpoint=checkpoint)
+    imported, mod, trainable, sites = training_graph(model, loss=loss, optimizer=optimizer, shapes=shapes,
+                                                     batch=batch, seq=seq, checkpoint=checkpoint, dropout=dropout)
     timings["graph"] = time.perf_counter() - t0
     tvm_target = make_target(target)
     t0 = time.perf_counter()
@@ -258,11 +270,12 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     timings["build"] = time.perf_counter() - t0
     log.info("compiled training step of %s for %s: %d kernels (%d tuned); %s", imported.source, tvm_target.kind.name,
              len(kernels(mod)), len(tuned), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    target_ty = mod["loss_and_grads"].params[len(imported.inputs)].ty
+    target_ty = mod["loss_and_grads"].params[len(imported.inputs) + len(sites)].ty
     step = TrainStep(executable, inputs=imported.inputs, outputs=imported.outputs, params=trainable,
                      target_kind=tvm_target.kind.name, index_bounds=imported.index_bounds,
                      target_spec=TensorSpec(TARGET_KEYS[0], tuple(int(d) for d in target_ty.shape), str(target_ty.dtype)),
-                     optimizer=optimizer, loss_name=loss if isinstance(loss, str) else "custom")
+                     optimizer=optimizer, loss_name=loss if isinstance(loss, str) else "custom",
+                     dropout=DropoutConfig(float(dropout), seed, sites))
     step.timings, step.mod, step.imported = timings, mod, imported
     step.memory = memory_estimate(mod)
     step.checkpoint = checkpoint

@@ -134,13 +134,19 @@ def add_train_step(mod: tvm.IRModule, n_inputs: int, optimizer: AdamW) -> tvm.IR
     return bb.get()
 
 
-def training_module(mod: tvm.IRModule, n_inputs: int, loss, optimizer: AdamW, checkpoint=False) -> tvm.IRModule:
-    """main(inputs, weights) -> a module of main, loss_and_grads and train_step. ``checkpoint`` ("attention",
-    "layer" or False) marks the regions the backward pass recomputes instead of keeping."""
+def training_module(mod: tvm.IRModule, n_inputs: int, loss, optimizer: AdamW, checkpoint=False,
+                    dropout: bool = False) -> tuple[tvm.IRModule, list]:
+    """main(inputs, weights) -> (a module of main, loss_and_grads and train_step; the dropout sites).
+
+    ``checkpoint`` ("attention", "layer" or False) marks the regions the backward pass recomputes instead of
+    keeping. With ``dropout``, loss_and_grads and train_step take one keep-mask per site after the inputs."""
     from tvmdm import compat
     from tvmdm.checkpoint import insert_checkpoints
+    from tvmdm.dropout import insert_dropout
 
     mod = compat.flatten_take_indices()(mod)
-    with_loss = add_loss(insert_checkpoints(checkpoint, n_inputs)(mod), loss, n_inputs)
-    with_loss["main"] = mod["main"]  # inference stays free of checkpoint markers
-    return add_train_step(with_loss, n_inputs, optimizer)
+    train_mod, sites = insert_dropout(mod, n_inputs) if dropout else (mod, [])
+    n_graph_inputs = n_inputs + len(sites)  # the masks travel with the inputs
+    with_loss = add_loss(insert_checkpoints(checkpoint, n_graph_inputs)(train_mod), loss, n_graph_inputs)
+    with_loss["main"] = mod["main"]  # inference: no dropout, no checkpoint markers
+    return add_train_step(with_loss, n_graph_inputs, optimizer), sites
