@@ -7,7 +7,8 @@ Public API:
     default_model(name), default_dims(name): the embedded BERT models (ONNX, seeded weights)
     random_inputs(compiled, batch=, seq=): synthetic inputs for any compiled or loaded model
     compile_train_step(model, loss=, optimizer=AdamW(...), batch=, seq=) -> TrainStep: forward + loss +
-        backward + AdamW compiled into one step; load_train_step(path) resumes an exported one
+        backward + AdamW compiled into one step; load_train_step(path) resumes an exported one;
+        DataParallel(step) averages its gradients over a torch.distributed group
 """
 from tvmdm.analysis import Report, analyze
 from tvmdm.artifact import load
@@ -16,12 +17,13 @@ from tvmdm.inputs import random_inputs
 from tvmdm.errors import (ArtifactError, InputError, ModelLoadError, ShapeError, TargetError, TvmdmError,
                           UnsupportedOperatorError)
 from tvmdm.spec import TensorSpec
+from tvmdm.distributed import DataParallel
 from tvmdm.train import AdamW, TrainStep, compile_train_step, load_train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "compile", "load", "analyze", "compile_train_step", "load_train_step", "TrainStep", "AdamW", "Report", "Compiled", "CheckResult", "TensorSpec",
+    "compile", "load", "analyze", "compile_train_step", "load_train_step", "TrainStep", "AdamW", "DataParallel", "Report", "Compiled", "CheckResult", "TensorSpec",
     "TvmdmError", "ModelLoadError", "UnsupportedOperatorError", "ShapeError", "TargetError", "InputError", "ArtifactError",
     "default_model", "default_dims", "random_inputs", "DEFAULT_MODELS",
 ]

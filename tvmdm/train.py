@@ -94,17 +94,34 @@ class TrainStep(ModelRunner):
         scalars = [tvm.runtime.tensor(s, self.device) for s in self.optimizer.scalars(self.step_count + 1, self.lr)]
         result = self._vm["train_step"](*args, target, *self._params, *self._moments["m"], *self._moments["v"],
                                         *scalars)
-        n = len(self._params)
-        self._params = list(result[1:1 + n])
-        self._moments = {"m": list(result[1 + n:1 + 2 * n]), "v": list(result[1 + 2 * n:1 + 3 * n])}
-        self.step_count += 1
+        self._take_update(list(result[1:]))
         return float(result[0].numpy())
 
     def gradients(self, batch: dict) -> tuple[float, dict[str, np.ndarray]]:
         """Loss and the gradient of every weight on ``batch``, without updating anything."""
+        loss, grads = self.device_gradients(batch)
+        return float(loss.numpy()), {n: g.numpy() for n, g in zip(self.weight_names, grads)}
+
+    def device_gradients(self, batch: dict) -> tuple["tvm.runtime.Tensor", list]:
+        """Loss and gradients as device tensors (in ``weight_names`` order), for ``apply_gradients``: what a
+        data-parallel step exchanges between them (tvmdm.distributed)."""
         args, target = self._split_batch(batch)
         loss, grads = self._vm["loss_and_grads"](*args, target, *self._params)
-        return float(loss.numpy()), {n: g.numpy() for n, g in zip(self.weight_names, grads)}
+        return loss, list(grads)
+
+    def apply_gradients(self, grads: list) -> None:
+        """The AdamW update of the weights with ``grads`` (device tensors, ``weight_names`` order): one step."""
+        self._ensure_loaded()
+        scalars = [tvm.runtime.tensor(s, self.device) for s in self.optimizer.scalars(self.step_count + 1, self.lr)]
+        result = self._vm["apply_update"](*self._params, *grads, *self._moments["m"], *self._moments["v"],
+                                          *scalars)
+        self._take_update(list(result))
+
+    def _take_update(self, updated: list) -> None:
+        n = len(self._params)
+        self._params = updated[:n]
+        self._moments = {"m": updated[n:2 * n], "v": updated[2 * n:3 * n]}
+        self.step_count += 1
 
     def loss(self, batch: dict) -> float:
         return self.gradients(batch)[0]

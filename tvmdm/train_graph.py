@@ -96,7 +96,8 @@ def add_loss(mod: tvm.IRModule, loss, n_inputs: int) -> tvm.IRModule:
 
 def add_train_step(mod: tvm.IRModule, n_inputs: int, optimizer: AdamW) -> tvm.IRModule:
     """Differentiate ``loss`` w.r.t. the weights and add ``train_step``: gradient + AdamW, one dataflow block.
-    Returns a module of ``main`` (inference), ``loss_and_grads`` (no update) and ``train_step``."""
+    Returns a module of ``main`` (inference), ``loss_and_grads`` (no update), ``train_step`` and
+    ``apply_update`` (the AdamW update of given gradients, for data-parallel training)."""
     from tvmdm import compat
 
     compat.register_missing_gradients()
@@ -108,10 +109,6 @@ def add_train_step(mod: tvm.IRModule, n_inputs: int, optimizer: AdamW) -> tvm.IR
     moments = [[relax.Var(f"{kind}_{w.name}", w.ty) for w in weights] for kind in ("m", "v")]
     scalar = relax.TensorType([], "float32")
     decay, step_size, bc2_sqrt = (relax.Var(n, scalar) for n in ("decay", "step_size", "bc2_sqrt"))
-    b1, b2 = optimizer.betas
-
-    def c(value):
-        return relax.const(value, "float32")
 
     bb = relax.BlockBuilder(tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint == "main"}))
     grads_fn = relax.utils.copy_with_new_vars(adjoint)  # loss and gradients without an update, for checks
@@ -120,18 +117,38 @@ def add_train_step(mod: tvm.IRModule, n_inputs: int, optimizer: AdamW) -> tvm.IR
         with bb.dataflow():
             result = _emit_body(bb, adjoint)
             loss_value, grads = result.fields[0], result.fields[1]
-            new_w, new_m, new_v = [], [], []
-            for i, (w, m, v) in enumerate(zip(weights, *moments)):
-                g = grads.fields[i] if isinstance(grads, relax.Tuple) else bb.emit(relax.TupleGetItem(grads, i))
-                m1 = bb.emit(m * c(b1) + g * c(1.0 - b1))
-                v1 = bb.emit(v * c(b2) + g * g * c(1.0 - b2))
-                denom = relax.op.sqrt(v1) / bc2_sqrt + c(optimizer.eps)
-                new_w.append(bb.emit(w * decay - step_size * m1 / denom))
-                new_m.append(m1)
-                new_v.append(v1)
-            out = bb.emit_output(relax.Tuple([loss_value, *new_w, *new_m, *new_v]))
+            grads = [grads.fields[i] if isinstance(grads, relax.Tuple) else bb.emit(relax.TupleGetItem(grads, i))
+                     for i in range(len(weights))]
+            updated = _emit_adamw(bb, optimizer, weights, grads, *moments, decay, step_size, bc2_sqrt)
+            out = bb.emit_output(relax.Tuple([loss_value, *updated]))
+        bb.emit_func_output(out)
+    # The update alone, for data-parallel training: gradients all-reduced between loss_and_grads and this.
+    weights2, grads2 = [[relax.Var(f"{kind}_{w.name}", w.ty) for w in weights] for kind in ("w", "g")]
+    moments2 = [[relax.Var(f"{kind}_{w.name}", w.ty) for w in weights] for kind in ("m", "v")]
+    scalars2 = [relax.Var(n, scalar) for n in ("decay", "step_size", "bc2_sqrt")]
+    with bb.function("apply_update", weights2 + grads2 + moments2[0] + moments2[1] + scalars2):
+        with bb.dataflow():
+            out = bb.emit_output(relax.Tuple(_emit_adamw(bb, optimizer, weights2, grads2, *moments2, *scalars2)))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def _emit_adamw(bb, optimizer: AdamW, weights, grads, ms, vs, decay, step_size, bc2_sqrt) -> list:
+    """torch.optim.AdamW's update, element-wise (FuseOps makes one kernel per weight): w', m', v' lists."""
+    b1, b2 = optimizer.betas
+
+    def c(value):
+        return relax.const(value, "float32")
+
+    new_w, new_m, new_v = [], [], []
+    for w, g, m, v in zip(weights, grads, ms, vs):
+        m1 = bb.emit(m * c(b1) + g * c(1.0 - b1))
+        v1 = bb.emit(v * c(b2) + g * g * c(1.0 - b2))
+        denom = relax.op.sqrt(v1) / bc2_sqrt + c(optimizer.eps)
+        new_w.append(bb.emit(w * decay - step_size * m1 / denom))
+        new_m.append(m1)
+        new_v.append(v1)
+    return new_w + new_m + new_v
 
 
 def training_module(mod: tvm.IRModule, n_inputs: int, loss, optimizer: AdamW, checkpoint=False,
