@@ -173,7 +173,7 @@ def test_metaschedule_logging_survives_foreign_handlers(tmp_path):
 
 STOCK_GRADIENTS = """
 import tvm
-names = ["relax.erf", "relax.nn.gelu", "relax.nn.layer_norm", "relax.strided_slice"]
+names = ["relax.erf", "relax.nn.gelu", "relax.nn.layer_norm", "relax.strided_slice", "relax.einsum"]
 print(",".join(n for n in names if tvm.ir.Op.get(n).get_attr("FPrimalGradient") is None))
 """
 
@@ -182,7 +182,8 @@ def test_stock_gradients_missing_and_ours_registered():
     # A fresh interpreter: this one may already hold ours.
     out = subprocess.run([sys.executable, "-c", STOCK_GRADIENTS], capture_output=True, text=True, check=True)
     stock_missing = out.stdout.strip().split(",")
-    assert stock_missing == ["relax.erf", "relax.nn.gelu", "relax.nn.layer_norm", "relax.strided_slice"]
+    assert stock_missing == ["relax.erf", "relax.nn.gelu", "relax.nn.layer_norm", "relax.strided_slice",
+                             "relax.einsum"]
     import tvm
 
     compat.register_missing_gradients()
@@ -268,3 +269,30 @@ def test_take_gradient_with_2d_indices():
     expected = np.zeros_like(table)
     np.add.at(expected, idx.ravel(), 1.0)  # row 1 read three times
     np.testing.assert_array_equal(grads[0].numpy(), expected)
+
+
+def test_einsum_gradient_matches_torch():
+    torch = pytest.importorskip("torch")
+    import tvm
+    from tvm import relax
+
+    compat.register_missing_gradients()
+    rng = np.random.default_rng(0)
+    q_np, k_np = rng.standard_normal((2, 3, 4, 5)).astype(np.float32), rng.standard_normal((2, 3, 6, 5)).astype(
+        np.float32)
+    w_np = rng.standard_normal((2, 3, 4, 6)).astype(np.float32)
+    bb = relax.BlockBuilder()
+    q, k, w = (relax.Var(n, relax.TensorType(list(a.shape), "float32")) for n, a in (("q", q_np), ("k", k_np),
+                                                                                   ("w", w_np)))
+    with bb.function("f", [q, k, w]):
+        with bb.dataflow():
+            scores = relax.op.einsum([q, k], "bhqd,bhkd->bhqk")
+            out = bb.emit_output(relax.op.sum(relax.op.multiply(scores, w)))
+        bb.emit_func_output(out)
+    mod = relax.transform.Gradient("f", require_grads=[q, k])(bb.get())
+    vm = relax.VirtualMachine(relax.build(relax.transform.LegalizeOps()(mod), target="llvm"), tvm.cpu())
+    _, (dq, dk) = vm["f_adjoint"](*(tvm.runtime.tensor(a) for a in (q_np, k_np, w_np)))
+    tq, tk = (torch.from_numpy(a).requires_grad_() for a in (q_np, k_np))
+    (torch.einsum("bhqd,bhkd->bhqk", tq, tk) * torch.from_numpy(w_np)).sum().backward()
+    np.testing.assert_allclose(dq.numpy(), tq.grad.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dk.numpy(), tk.grad.numpy(), rtol=1e-5, atol=1e-5)

@@ -290,6 +290,26 @@ def register_missing_gradients() -> None:
 
         GRADIENTS_ADDED.append("relax.strided_slice")
 
+    if missing("relax.einsum"):
+        @register_gradient("relax.einsum")
+        def einsum_grad(orig_var, orig_call, output_grad, ctx):
+            # Two operands, each index once per operand (what attention written as einsum uses, e.g.
+            # "bhqd,bhkd->bhqk"): d/dA of einsum(a,b->o) is einsum(o,b->a)(grad, B), and likewise for B.
+            subscripts = str(orig_call.attrs.subscripts).replace(" ", "")
+            inputs, out = subscripts.split("->")
+            operands = list(orig_call.args[0].fields)
+            terms = inputs.split(",")
+            if len(terms) != 2 or any(len(set(t)) != len(t) for t in terms) or \
+                    any(set(a) - set(out) - set(b) for a, b in (terms, terms[::-1])):
+                raise NotImplementedError(f"gradient of einsum {subscripts!r}: only two operands without "
+                                          "repeated or operand-only indices")
+            a, b = terms
+            grads = [relax.op.einsum([output_grad, operands[1]], f"{out},{b}->{a}"),
+                     relax.op.einsum([output_grad, operands[0]], f"{out},{a}->{b}")]
+            return [relax.Tuple(grads)]
+
+        GRADIENTS_ADDED.append("relax.einsum")
+
 
 def no_grad(expr):
     from tvm.relax.op.grad import no_grad as mark
