@@ -173,7 +173,8 @@ def test_metaschedule_logging_survives_foreign_handlers(tmp_path):
 
 STOCK_GRADIENTS = """
 import tvm
-names = ["relax.erf", "relax.nn.gelu", "relax.nn.layer_norm", "relax.strided_slice", "relax.einsum"]
+names = ["relax.erf", "relax.nn.gelu", "relax.nn.layer_norm", "relax.strided_slice", "relax.einsum",
+         "relax.one_hot", "relax.grad.no_grad"]
 print(",".join(n for n in names if tvm.ir.Op.get(n).get_attr("FPrimalGradient") is None))
 """
 
@@ -183,7 +184,7 @@ def test_stock_gradients_missing_and_ours_registered():
     out = subprocess.run([sys.executable, "-c", STOCK_GRADIENTS], capture_output=True, text=True, check=True)
     stock_missing = out.stdout.strip().split(",")
     assert stock_missing == ["relax.erf", "relax.nn.gelu", "relax.nn.layer_norm", "relax.strided_slice",
-                             "relax.einsum"]
+                             "relax.einsum", "relax.one_hot", "relax.grad.no_grad"]
     import tvm
 
     compat.register_missing_gradients()
@@ -296,3 +297,49 @@ def test_einsum_gradient_matches_torch():
     (torch.einsum("bhqd,bhkd->bhqk", tq, tk) * torch.from_numpy(w_np)).sum().backward()
     np.testing.assert_allclose(dq.numpy(), tq.grad.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dk.numpy(), tk.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _cross_entropy_grad(loss_fn, logits_np, labels_np):
+    """d loss / d logits, built the way compile_train_step builds kernels (fusion + our default schedules)."""
+    import tvm
+    from tvm import relax
+
+    from schedules import apply_default_schedules
+    from tvmdm import fuse
+
+    compat.register_missing_gradients()
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(list(logits_np.shape), "float32"))
+    y = relax.Var("y", relax.TensorType(list(labels_np.shape), "int64"))
+    with bb.function("f", [x, y]):
+        with bb.dataflow():
+            out = bb.emit_output(loss_fn(x, y))
+        bb.emit_func_output(out)
+    mod = relax.transform.Gradient("f", require_grads=[x])(bb.get())
+    mod = apply_default_schedules(fuse.fuse(mod, "tvm"), tvm.target.Target("llvm"))
+    vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
+    loss, (grad,) = vm["f_adjoint"](tvm.runtime.tensor(logits_np), tvm.runtime.tensor(labels_np))
+    return float(loss.numpy()), grad.numpy()
+
+
+def test_cross_entropy_with_ignored_labels():
+    torch = pytest.importorskip("torch")
+    from tvm import relax
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 5)).astype(np.float32)
+    labels = np.array([1, -100, 3, -100, 0, 4], np.int64)
+    t = torch.from_numpy(logits).requires_grad_()
+    expected = torch.nn.functional.cross_entropy(t, torch.from_numpy(labels))
+    expected.backward()
+
+    def stock(x, y):
+        return relax.op.nn.nll_loss(relax.op.nn.log_softmax(x, axis=-1), y, reduction="mean", ignore_index=-100)
+
+    loss, grad = _cross_entropy_grad(stock, logits, labels)
+    assert loss == pytest.approx(expected.item(), rel=1e-6)  # the loss is right...
+    ratio = grad[0] / t.grad.numpy()[0]  # ...its gradient is divided by all 6 rows, not the 4 counted
+    np.testing.assert_allclose(ratio, 4 / 6, rtol=1e-5)
+    loss, grad = _cross_entropy_grad(lambda x, y: compat.cross_entropy(x, y, 5, -100), logits, labels)
+    assert loss == pytest.approx(expected.item(), rel=1e-6)
+    np.testing.assert_allclose(grad, t.grad.numpy(), rtol=1e-5, atol=1e-7)

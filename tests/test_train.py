@@ -293,3 +293,36 @@ def test_dropout_masks_sit_where_hf_applies_dropout_and_match_torch(tiny_layer, 
     other = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, dropout=0.25, seed=8, tuning_logs=None)
     runs = [[s.step(layer_batch) for _ in range(3)] for s in (step, again, other)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_hf_masked_lm_with_tied_decoder_matches_torch(hf_export):
+    """MaskedLM ties its decoder to the word embeddings; torch's exporter writes the decoder as a transposed copy.
+    The step trains them as one tensor, as torch does: the loss (with -100 labels ignored) and gradients match."""
+    import hf_exports
+
+    step = tvmdm.compile_train_step(hf_export("bert-mlm", dynamic=True), loss="cross_entropy", batch=2, seq=8,
+                                    tuning_logs=None)
+    model = hf_exports.tiny_model("bert-mlm").train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    word = model.bert.embeddings.word_embeddings.weight.detach().numpy()
+    copies = [n for n, w in step.params().items() if w.shape == word.T.shape and np.array_equal(w, word.T)]
+    assert copies == []  # the transposed copy is gone: one tensor
+    feeds = hf_exports.sample_inputs("bert-mlm")
+    labels = np.full((2, 8), -100, np.int64)
+    labels[0, 1], labels[0, 5], labels[1, 2] = 7, 42, 90  # three masked positions; the rest ignored
+    loss, grads = step.gradients(dict(feeds, labels=labels))
+    out = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}, labels=torch.from_numpy(labels))
+    out.loss.backward()
+    assert loss == pytest.approx(out.loss.item(), rel=1e-5)
+    weights = step.params()
+    scale = max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None)
+    for name, p in model.named_parameters():
+        value = p.detach().numpy()
+        hits = [k for k, w in weights.items() if w.shape == value.shape and np.array_equal(w, value)]
+        hits += [k for k, w in weights.items() if w.ndim == 2 and w.shape == value.T.shape and
+                 np.array_equal(w, value.T)]
+        assert len(hits) == 1, f"{name}: {hits}"
+        got = grads[hits[0]] if np.array_equal(weights[hits[0]], value) else grads[hits[0]].T
+        assert _rel_err(got, p.grad.numpy(), 1e-3 * scale) < 1e-5, name

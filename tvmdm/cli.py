@@ -176,7 +176,7 @@ def cmd_train(args) -> int:
 
     losses = run_train(args.model, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
                        target=args.target, plot=None if args.plot == "" else args.plot, json_path=args.json,
-                       export=args.export)
+                       export=args.export, dropout=args.dropout, checkpoint=args.checkpoint or False)
     return 0 if np.isfinite(losses).all() else 1
 
 
@@ -263,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and the dropout masks")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default 0)")
+    p.add_argument("--checkpoint", choices=["attention", "layer"], help="recompute these regions in backward")
     p.add_argument("--target", default="llvm")
     p.add_argument("--plot", default="train_loss.png", help="loss curve PNG (default train_loss.png; '' for none)")
     p.add_argument("--json", help="write the losses as JSON")

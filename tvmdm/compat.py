@@ -310,6 +310,14 @@ def register_missing_gradients() -> None:
 
         GRADIENTS_ADDED.append("relax.einsum")
 
+    # Ops whose results carry no gradient (integer-valued masks and labels) but that Gradient still asks
+    # about when their output meets a differentiable value in a multiply; no_grad itself is one of them.
+    for name in ("relax.one_hot", "relax.grad.no_grad"):
+        if missing(name):
+            register_gradient(name)(lambda orig_var, orig_call, output_grad, ctx:
+                                    [no_grad(a) for a in orig_call.args])
+            GRADIENTS_ADDED.append(name)
+
 
 def no_grad(expr):
     from tvm.relax.op.grad import no_grad as mark
@@ -349,3 +357,22 @@ def flatten_take_indices():
         return mutator.builder_.get()
 
     return flatten
+
+
+def cross_entropy(logits, labels, classes: int, ignore_index: int, dtype: str = "float32"):
+    """Mean cross-entropy of logits [N, C] against int labels [N], skipping ``ignore_index``, as torch's.
+
+    Not ``nn.nll_loss``: 0.27 legalizes its gradient (nll_loss_backward) by reading class weights at the
+    label (``T_full[y[i]]``), out of bounds for an ignored label (-100), and counts every row in the mean's
+    denominator once the constant weights are inlined: the gradients of a batch with ignored labels came out
+    scaled by valid/total. one_hot of an ignored label is an all-zero row, so this form needs no special case.
+    An all-ignored batch gives loss 0 (torch gives nan)."""
+    from tvm import relax
+
+    log_probs = relax.op.nn.log_softmax(logits, axis=-1)
+    # labels carry no gradient: no_grad keeps Gradient from asking for one_hot's (it has none)
+    one_hot = no_grad(relax.op.astype(relax.op.one_hot(labels, 1.0, 0.0, classes), dtype))
+    picked = relax.op.multiply(one_hot, log_probs)
+    valid = no_grad(relax.op.astype(relax.op.not_equal(labels, relax.const(ignore_index, "int64")), dtype))
+    count = relax.op.maximum(relax.op.sum(valid), relax.const(1.0, dtype))
+    return relax.op.divide(relax.op.negative(relax.op.sum(picked)), count)

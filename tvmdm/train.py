@@ -242,6 +242,10 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
     mod, trainable = _split_trainable(imported)
     if not trainable:
         raise TvmdmError(f"{source}: the model has no float initializers to train")
+    mod, trainable, tied = train_graph.tie_transposed_copies(mod, len(imported.inputs), trainable)
+    for copy, weight in tied.items():
+        log.info("%s: initializer %r is the transpose of %r (an exporter's copy of a tied weight): trained as one "
+                 "tensor", source, copy, weight)
     try:
         mod, sites = train_graph.training_module(mod, len(imported.inputs), loss, optimizer or AdamW(), checkpoint,
                                                  dropout=bool(dropout))

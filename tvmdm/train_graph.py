@@ -62,8 +62,9 @@ def loss_expr(kind, output: relax.Expr, target: relax.Expr) -> relax.Expr:
         classes, rows = shape[-1], int(np.prod(shape[:-1]))
         logits = relax.op.reshape(output, [rows, classes])
         labels = relax.op.reshape(target, [rows])
-        return relax.op.nn.nll_loss(relax.op.nn.log_softmax(logits, axis=-1), labels, reduction="mean",
-                                    ignore_index=IGNORE_INDEX)
+        from tvmdm import compat
+
+        return compat.cross_entropy(logits, labels, classes, IGNORE_INDEX, str(output.ty.dtype))
     raise ValueError(f"unknown loss {kind!r}; choose one of {list(LOSSES)} or pass a callable")
 
 
@@ -167,3 +168,54 @@ def training_module(mod: tvm.IRModule, n_inputs: int, loss, optimizer: AdamW, ch
     with_loss = add_loss(insert_checkpoints(checkpoint, n_graph_inputs)(train_mod), loss, n_graph_inputs)
     with_loss["main"] = mod["main"]  # inference: no dropout, no checkpoint markers
     return add_train_step(with_loss, n_graph_inputs, optimizer), sites
+
+
+def tie_transposed_copies(mod: tvm.IRModule, n_inputs: int, weights: dict) -> tuple[tvm.IRModule, dict, dict]:
+    """Re-tie weights an exporter untied: torch's ONNX exporter writes a tied decoder (MaskedLM's output
+    projection shares the word embeddings) as a second, transposed initializer. Trained apart, the copies
+    drift apart after one step; torch trains one tensor. Each 2-d weight equal to another's transpose becomes
+    ``permute_dims`` of it in main (its gradient then flows into the one tensor).
+
+    ``weights``: name -> array in the order of main's trailing params. Returns (module, the remaining
+    weights, {dropped copy: the weight it now reads})."""
+    by_bytes = {}
+    for name, value in weights.items():
+        if value.ndim == 2:
+            by_bytes.setdefault((value.shape, value.dtype.str, value.tobytes()), name)
+    order = {name: i for i, name in enumerate(weights)}
+
+    def rank(name):  # keep the tensor with the model's own name, drop the exporter's "onnx::MatMul_N"
+        return (name.startswith("onnx::"), order[name])
+
+    tied = {}
+    for name, value in weights.items():
+        if value.ndim != 2 or name in tied or name in tied.values():
+            continue
+        other = by_bytes.get((value.T.shape, value.dtype.str, np.ascontiguousarray(value.T).tobytes()))
+        if other is None or other == name or other in tied or other in tied.values():
+            continue
+        copy, source = sorted([name, other], key=rank, reverse=True)
+        tied[copy] = source
+    if not tied:
+        return mod, weights, {}
+    main = mod["main"]
+    params = dict(zip(weights, main.params[n_inputs:]))
+
+    @relax.expr_functor.mutator
+    class Tie(relax.PyExprMutator):
+        def visit_dataflow_block_(self, block):
+            # the copies first, as transposes of the weights they duplicate, then the block as it was
+            self.builder_._begin_dataflow_block()
+            for copy, source in tied.items():
+                self.set_var_remap(params[copy], self.builder_.emit(relax.op.permute_dims(params[source])))
+            for binding in block.bindings:
+                self.visit_binding(binding)
+            return self.builder_._end_block()
+
+    body = Tie(mod).visit_expr(main).body
+    kept = [n for n in weights if n not in tied]
+    new_main = relax.Function(list(main.params[:n_inputs]) + [params[n] for n in kept], body, main.ret_ty,
+                              attrs=main.attrs)
+    out = tvm.IRModule(dict(mod.functions.items()))
+    out["main"] = new_main
+    return out, {n: weights[n] for n in kept}, tied

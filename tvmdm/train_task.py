@@ -101,7 +101,7 @@ def plot_losses(losses: list[float], path: str, title: str) -> str:
 
 def run_train(model=None, *, steps: int = 50, batch: int = 8, seq: int = 32, lr: float = 1e-3, seed: int = 0,
               target: str = "llvm", plot: str | None = None, json_path: str | None = None,
-              export: str | None = None, stream=None) -> list[float]:
+              export: str | None = None, dropout: float = 0.0, checkpoint=False, stream=None) -> list[float]:
     from tvmdm.train import AdamW, compile_train_step
 
     stream = stream or sys.stderr
@@ -109,9 +109,10 @@ def run_train(model=None, *, steps: int = 50, batch: int = 8, seq: int = 32, lr:
     label = DEFAULT_MODEL + " + classifier" if model is None else str(model)
     t0 = time.perf_counter()
     step = compile_train_step(proto, loss="cross_entropy", optimizer=AdamW(lr=lr), target=target, batch=batch,
-                              seq=seq)
+                              seq=seq, dropout=dropout, seed=seed, checkpoint=checkpoint)
     stream.write(f"compiled the training step of {label} (batch {batch}, seq {seq}, {len(step.weight_names)} "
-                 f"weight tensors) in {time.perf_counter() - t0:.1f}s\n")
+                 f"weight tensors, dropout {dropout}, checkpoint {checkpoint or 'off'}) in "
+                 f"{time.perf_counter() - t0:.1f}s; peak live tensors {step.memory['peak_live'] / 2**20:.1f} MiB\n")
     losses = train_loop(step, steps, seed, StepProgress(steps, stream))
     first, last = np.mean(losses[:5]), np.mean(losses[-5:])
     stream.write(f"loss {first:.4f} -> {last:.4f} (mean of the first and last 5 steps)\n")
