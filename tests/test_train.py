@@ -326,3 +326,16 @@ def test_hf_masked_lm_with_tied_decoder_matches_torch(hf_export):
         assert len(hits) == 1, f"{name}: {hits}"
         got = grads[hits[0]] if np.array_equal(weights[hits[0]], value) else grads[hits[0]].T
         assert _rel_err(got, p.grad.numpy(), 1e-3 * scale) < 1e-5, name
+
+
+def test_training_step_builds_for_cuda_without_a_gpu(tiny_layer):
+    """dlight schedules every forward and backward kernel (a rule that crashes on one is skipped for it)."""
+    step = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, target="cuda:sm_80", tuning_logs=None)
+    from schedules.apply import kernels
+    from test_cuda_build import _cuda_source
+
+    assert step.target_kind == "cuda"
+    source = _cuda_source(step)
+
+    assert source.count("__global__") >= len(kernels(step.mod)) > 40
+    assert "threadIdx.x" in source
