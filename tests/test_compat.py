@@ -343,3 +343,57 @@ def test_cross_entropy_with_ignored_labels():
     loss, grad = _cross_entropy_grad(lambda x, y: compat.cross_entropy(x, y, 5, -100), logits, labels)
     assert loss == pytest.approx(expected.item(), rel=1e-6)
     np.testing.assert_allclose(grad, t.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+SETUP_TRAINER = """
+import numpy as np, tvm, sys
+from tvm import relax
+from tvm.relax.training import SetupTrainer
+from tvm.relax.training.loss import MSELoss
+from tvm.relax.training.optimizer import Adam
+if sys.argv[1] == "patched":
+    from tvmdm import compat
+    compat.patch_relax_training()
+x = relax.Var("x", relax.TensorType([4, 3], "float32")); w = relax.Var("w", relax.TensorType([3, 2], "float32"))
+bb = relax.BlockBuilder()
+with bb.function("main", [x, w]):  # as from_onnx names it; the trainer wants it under "backbone"
+    with bb.dataflow():
+        out = bb.emit_output(relax.op.matmul(x, w))
+    bb.emit_func_output(out)
+mod = tvm.IRModule({tvm.ir.GlobalVar("backbone"): bb.get()["main"]}).with_attrs({"param_num": 1, "state_num": 0})
+adam = Adam(0.1)
+try:
+    trainer = SetupTrainer(MSELoss(reduction="mean"), adam, [relax.TensorType([4, 2], "float32")] * 2)(mod)
+except Exception as err:
+    print("FAILED", str(err).strip().splitlines()[-1])
+    sys.exit(0)
+vm = relax.VirtualMachine(relax.build(trainer, target="llvm"), tvm.cpu())
+rng = np.random.default_rng(0)
+xv, wv, yv = (rng.standard_normal(s).astype("float32") for s in ((4, 3), (3, 2), (4, 2)))
+params, state = [tvm.runtime.tensor(wv)], adam.state
+for _ in range(2):
+    loss, grads = vm["backbone_loss_adjoint"](tvm.runtime.tensor(xv), *params, tvm.runtime.tensor(yv))
+    params, state = vm["optimizer"](params, grads, state)
+np.save(sys.argv[2], params[0].numpy())
+np.save(sys.argv[2] + ".in.npy", np.concatenate([xv.ravel(), wv.ravel(), yv.ravel()]))
+print("OK")
+"""
+
+
+def test_relax_training_setup_trainer_and_adam(tmp_path):
+    torch = pytest.importorskip("torch")
+    stock = subprocess.run([sys.executable, "-c", SETUP_TRAINER, "stock", str(tmp_path / "w.npy")],
+                           capture_output=True, text=True, check=True)
+    assert "FAILED" in stock.stdout  # global_symbol "main" under GlobalVar "backbone", or the Adam dtype
+    patched = subprocess.run([sys.executable, "-c", SETUP_TRAINER, "patched", str(tmp_path / "w.npy")],
+                             capture_output=True, text=True, check=True)
+    assert "OK" in patched.stdout, patched.stdout + patched.stderr[-2000:]
+    flat = np.load(tmp_path / "w.npy.in.npy")
+    xv, wv, yv = flat[:12].reshape(4, 3), flat[12:18].reshape(3, 2), flat[18:].reshape(4, 2)
+    w = torch.from_numpy(wv.copy()).requires_grad_()
+    optimizer = torch.optim.Adam([w], lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(torch.from_numpy(xv) @ w, torch.from_numpy(yv)).backward()
+        optimizer.step()
+    np.testing.assert_allclose(np.load(tmp_path / "w.npy"), w.detach().numpy(), rtol=1e-5, atol=1e-5)

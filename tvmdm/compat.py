@@ -376,3 +376,46 @@ def cross_entropy(logits, labels, classes: int, ignore_index: int, dtype: str = 
     valid = no_grad(relax.op.astype(relax.op.not_equal(labels, relax.const(ignore_index, "int64")), dtype))
     count = relax.op.maximum(relax.op.sum(valid), relax.const(1.0, dtype))
     return relax.op.divide(relax.op.negative(relax.op.sum(picked)), count)
+
+
+_TRAINING_PATCHED = False
+
+
+def patch_relax_training() -> None:
+    """Fix relax.training for users who build trainers with it (tvmdm's own step uses train_graph instead).
+
+    - Optimizer (Adam, SGD, ...) keeps the parameters' dtype as a type object (T.float32) and then fails
+      in ``const(lr, dtype)``: "Could not convert T.float32 to a NumPy dtype". Keep its name ("float32").
+    - SetupTrainer fails unless every function's ``global_symbol`` equals its GlobalVar name, which modules
+      built with ``BlockBuilder.add_func`` or renamed functions lack. Set it first."""
+    global _TRAINING_PATCHED
+    if _TRAINING_PATCHED:
+        return
+    import tvm
+    from tvm import relax
+    from tvm.relax.training import optimizer as opt_mod
+    from tvm.relax.training.setup_trainer import SetupTrainer
+
+    original_set = opt_mod.Optimizer._set_params_and_dtype
+
+    def set_params_and_dtype(self, params):
+        original_set(self, params)
+        if self.dtype is not None and not isinstance(self.dtype, str):
+            self.dtype = str(tvm.DataType(self.dtype.dtype)) if hasattr(self.dtype, "dtype") else str(self.dtype)
+
+    opt_mod.Optimizer._set_params_and_dtype = set_params_and_dtype
+
+    # SetupTrainer is a @module_pass class: the wrapper's __init__ closes over the class with transform_module
+    trainer_cls = next(c.cell_contents for c in SetupTrainer.__init__.__closure__
+                       if isinstance(c.cell_contents, type) and hasattr(c.cell_contents, "transform_module"))
+    original_transform = trainer_cls.transform_module
+
+    def transform_module(self, mod, ctx):
+        mod = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)
+        for gv, func in list(mod.functions.items()):
+            if isinstance(func, relax.Function):
+                mod[gv] = func.with_attr("global_symbol", gv.name_hint)
+        return original_transform(self, mod, ctx)
+
+    trainer_cls.transform_module = transform_module
+    _TRAINING_PATCHED = True
