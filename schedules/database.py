@@ -81,15 +81,38 @@ def clean_copy(logs_dir: str, out_dir: str) -> tuple[int, int]:
     return len(kept_wl), len(kept_rec)
 
 
-def load_database(logs_dir: str):
-    """A read-only MetaSchedule database of the usable records in ``logs_dir``, or None (with a warning)."""
-    from tvm.s_tir import meta_schedule as ms
+_LOADED: dict = {}  # (logs dir, size and mtime of its files) -> database: each compile need not re-parse MBs
 
+
+def _file_stamp(logs_dir: str) -> tuple:
+    stamp = [logs_dir]
+    for name in (WORKLOADS, RECORDS):
+        path = os.path.join(logs_dir, name)
+        st = os.stat(path) if os.path.isfile(path) else None
+        stamp.append((st.st_size, st.st_mtime_ns) if st else None)
+    return tuple(stamp)
+
+
+def load_database(logs_dir: str):
+    """A read-only MetaSchedule database of the usable records in ``logs_dir``, or None (with a warning).
+    Loaded once per process while the files stay unchanged."""
     logs_dir = os.fspath(logs_dir)
     if not os.path.isfile(os.path.join(logs_dir, WORKLOADS)):
         warnings.warn(f"{logs_dir}: no tuning log ({WORKLOADS} missing); using default schedules",
                       TuningLogWarning, stacklevel=2)
         return None
+    stamp = _file_stamp(logs_dir)
+    if stamp not in _LOADED:
+        database = _load(logs_dir)
+        if database is None:
+            return None
+        _LOADED[stamp] = database
+    return _LOADED[stamp]
+
+
+def _load(logs_dir: str):
+    from tvm.s_tir import meta_schedule as ms
+
     with tempfile.TemporaryDirectory() as tmp:
         clean_copy(logs_dir, tmp)
         try:
