@@ -282,6 +282,11 @@ def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, t
         scan_options = dict(options, ort_optimized=False, torch_compile=False, min_runs=3,
                             max_seconds=min(max_seconds, 10.0))
         result["scan"] = scan_sizes(model, proto, scan, out=out, **scan_options)
+    return write_result(result, json_path, plot_path, out)
+
+
+def write_result(result: dict, json_path: str | None, plot_path: str | None, out=print) -> dict:
+    """The JSON and the bar plot of a bench result, where asked (inference and training alike)."""
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)

@@ -8,11 +8,10 @@ GFLOP/s counts 3x the forward matmul flops (forward, input gradients, weight gra
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 
-from tvmdm.bench import format_table, matmul_flops, summarize, time_until_stable
+from tvmdm.bench import format_table, matmul_flops, summarize, time_until_stable, write_result
 from tvmdm.errors import TvmdmError
 
 LR = 1e-4
@@ -124,12 +123,4 @@ def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = N
         "losses_first_two_steps": losses, "skipped": skipped,
         "torch_eager_over_tvmdm": (eager / timings[0].median_ms) if eager else None,
     }
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-        out(f"wrote {json_path}")
-    if plot_path:
-        from tvmdm.bench_plot import plot_bench
-
-        out(f"wrote {plot_bench(result, plot_path)}")
-    return result
+    return write_result(result, json_path, plot_path, out)
