@@ -1,5 +1,5 @@
 """Data-parallel training: two processes on 127.0.0.1 (torch.distributed, gloo) each on half of every batch reach
-the parameters one process reaches on the whole batch."""
+the parameters one process reaches on the whole batch, with dropout (each draws its slice of the same masks)."""
 import os
 import socket
 import subprocess
@@ -18,7 +18,8 @@ WORKER = """
 import os, sys, numpy as np, torch.distributed as dist, tvmdm
 dist.init_process_group("gloo")
 step = tvmdm.compile_train_step(tvmdm.default_model("bert-tiny-layer"), loss="mse",
-                                optimizer=tvmdm.AdamW(lr=1e-2), batch={half}, seq={seq}, tuning_logs=None)
+                                optimizer=tvmdm.AdamW(lr=1e-2), batch={half}, seq={seq}, tuning_logs=None,
+                                dropout=0.1, seed=3)
 ddp = tvmdm.DataParallel(step)
 batches = np.load(sys.argv[1])
 losses = [ddp.step(ddp.shard({{k[len(f"{{i}}/"):]: v for k, v in batches.items() if k.startswith(f"{{i}}/")}}))
@@ -45,7 +46,7 @@ def _batches(step):
 
 def test_two_processes_match_one_process_on_the_full_batch(tmp_path, tiny_layer):
     single = tvmdm.compile_train_step(tiny_layer, loss="mse", optimizer=tvmdm.AdamW(lr=1e-2), batch=BATCH, seq=SEQ,
-                                      tuning_logs=None)
+                                      tuning_logs=None, dropout=0.1, seed=3)
     batches = _batches(single)
     np.savez(tmp_path / "batches.npz", **{f"{i}/{k}": v for i, b in enumerate(batches) for k, v in b.items()})
     expected_losses = [single.step(b) for b in batches]

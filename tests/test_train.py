@@ -339,3 +339,16 @@ def test_training_step_builds_for_cuda_without_a_gpu(tiny_layer):
 
     assert source.count("__global__") >= len(kernels(step.mod)) > 40
     assert "threadIdx.x" in source
+
+
+def test_data_parallel_masks_are_slices_of_the_full_batch_masks():
+    from tvmdm.dropout import DropoutSite, masks_for_step
+
+    full_sites = [DropoutSite("attention_probs.0", (4, 2, 8, 8), "float32"), DropoutSite("hidden.0", (4, 8, 32),
+                                                                                          "float32")]
+    half_sites = [DropoutSite(s.name, (2, *s.shape[1:]), s.dtype) for s in full_sites]
+    full = masks_for_step(full_sites, 0.3, seed=5, step=2)
+    halves = [masks_for_step(half_sites, 0.3, seed=5, step=2, world=2, rank=r) for r in range(2)]
+    for i in range(len(full_sites)):
+        np.testing.assert_array_equal(np.concatenate([halves[0][i], halves[1][i]]), full[i])
+    assert not np.array_equal(full[0], masks_for_step(full_sites, 0.3, seed=5, step=3)[0])

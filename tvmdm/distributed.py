@@ -9,7 +9,8 @@ Each process compiles the same step, takes its shard of every batch and runs
 The gradients cross into torch by DLPack: torch tensors that view TVM's buffers, so the all-reduce writes the
 averaged values in place, without a copy. With equal shards and a mean-reduced loss (MSE; cross-entropy
 without ignored labels), the average of the shard gradients is the full-batch gradient: every process ends
-with the parameters one process would reach on the whole batch.
+with the parameters one process would reach on the whole batch, dropout included (each process draws its
+slice of the full batch's masks).
 
     torchrun --nproc-per-node 2 train.py      # or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
     dist.init_process_group("gloo")
@@ -17,6 +18,8 @@ with the parameters one process would reach on the whole batch.
     for batch in data: loss = ddp.step(ddp.shard(batch))
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -35,6 +38,8 @@ class DataParallel:
         self.step_fn, self.group, self.dist = step, group, dist
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        # each process draws its slice of the full batch's dropout masks (tvmdm.dropout)
+        step.dropout = dataclasses.replace(step.dropout, world=self.world_size, rank=self.rank)
         self._broadcast_weights()
 
     def _broadcast_weights(self) -> None:

@@ -106,11 +106,21 @@ def insert_dropout(mod: tvm.IRModule, n_inputs: int) -> tuple[tvm.IRModule, list
     return out, order
 
 
-def masks_for_step(sites: list[DropoutSite], p: float, seed: int, step: int) -> list[np.ndarray]:
-    """The keep-masks of training step ``step`` (1-based): 0 with probability p, else 1/(1-p)."""
+def masks_for_step(sites: list[DropoutSite], p: float, seed: int, step: int, world: int = 1,
+                   rank: int = 0) -> list[np.ndarray]:
+    """The keep-masks of training step ``step`` (1-based): 0 with probability p, else 1/(1-p).
+
+    Data parallel (``world`` processes, this one ``rank``): the masks of the whole batch are drawn (every site's
+    first axis is the batch) and this process takes its slice, so N processes drop what one process on the
+    full batch would."""
     rng = np.random.default_rng([seed, step])
     scale = np.float32(1.0 / (1.0 - p))
-    return [((rng.random(site.shape) >= p) * scale).astype(site.dtype) for site in sites]
+    masks = []
+    for site in sites:
+        rows = site.shape[0]
+        full = rng.random((rows * world, *site.shape[1:])) >= p
+        masks.append((full[rank * rows:(rank + 1) * rows] * scale).astype(site.dtype))
+    return masks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +130,12 @@ class DropoutConfig:
     p: float = 0.0
     seed: int = 0
     sites: tuple = ()
+    world: int = 1  # data parallel: processes sharing each batch, and this one's place among them
+    rank: int = 0
 
     def masks(self, step: int) -> list[np.ndarray]:
-        return masks_for_step(list(self.sites), self.p, self.seed, step) if self.sites else []
+        return masks_for_step(list(self.sites), self.p, self.seed, step, self.world, self.rank) if self.sites \
+            else []
 
     def to_json(self) -> dict:
         return {"p": self.p, "seed": self.seed, "sites": [[s.name, list(s.shape), s.dtype] for s in self.sites]}
