@@ -18,11 +18,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from tvmdm.train_graph import call_op
+
 MODES = ("attention", "layer")
-
-
-def _call_name(value) -> str | None:
-    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else None
 
 
 def _used_vars(expr) -> list:
@@ -41,9 +39,9 @@ def find_regions(func: relax.Function, mode: str) -> list[tuple[int, int]]:
     defined_at = {b.var: i for i, b in enumerate(bindings)}
     matmul_reads: dict = {}
     for i, b in enumerate(bindings):
-        if _call_name(b.value) == "relax.matmul":
+        if call_op(b.value) == "relax.matmul":
             matmul_reads.setdefault(b.value.args[0], []).append(i)
-    norms = [i for i, b in enumerate(bindings) if _call_name(b.value) == "relax.nn.layer_norm"]
+    norms = [i for i, b in enumerate(bindings) if call_op(b.value) == "relax.nn.layer_norm"]
     regions = []
     for var, readers in matmul_reads.items():
         if len(readers) < 3:
@@ -115,8 +113,6 @@ def insert_checkpoints(mode, n_inputs: int) -> tvm.transform.Pass:
     return insert
 
 
-
-
 def _tensor_bytes(ty) -> int:
     if isinstance(ty, relax.TupleType):
         return sum(_tensor_bytes(f) for f in ty.fields)
@@ -143,11 +139,10 @@ def memory_estimate(mod: tvm.IRModule, entry: str = "train_step") -> dict[str, i
                                     if isinstance(e, relax.Var) else None)
     alive, live, peak = {}, 0, 0
     for i, b in enumerate(bindings):
-        if isinstance(b.value, relax.Call) or isinstance(b.value, relax.Tuple) is False:
-            size = _tensor_bytes(b.var.ty) if not isinstance(b.value, (relax.Var, relax.TupleGetItem, relax.Tuple)) \
-                else 0  # aliases and tuples of existing tensors allocate nothing
-            alive[b.var] = size
-            live += size
+        # aliases, tuples of existing tensors and their items allocate nothing
+        size = 0 if isinstance(b.value, (relax.Var, relax.TupleGetItem, relax.Tuple)) else _tensor_bytes(b.var.ty)
+        alive[b.var] = size
+        live += size
         peak = max(peak, live)
         for v in [v for v in alive if last_use.get(v, -1) <= i]:
             live -= alive.pop(v)

@@ -43,7 +43,7 @@ def resolve_shapes(model, shape_args, batch: int | None, seq: int | None) -> dic
     from onnx_import.importer import onnx_input_specs
     from onnx_import.loader import load_model_proto
     from tvmdm import models
-    from tvmdm.inputs import concrete_shape
+    from tvmdm.inputs import bind_batch_seq
 
     shapes = dict(shape_args or [])
     if isinstance(model, str) and model in models.DEFAULT_MODELS and not os.path.exists(model) \
@@ -52,10 +52,7 @@ def resolve_shapes(model, shape_args, batch: int | None, seq: int | None) -> dic
     if batch is None and seq is None:
         return shapes or None
     proto, _ = load_model_proto(_model_arg(model) if isinstance(model, str) else model)
-    for spec in onnx_input_specs(proto):
-        if spec.name not in shapes:
-            shapes[spec.name] = concrete_shape(spec, {}, batch or 1, seq or 1)
-    return shapes
+    return bind_batch_seq(onnx_input_specs(proto), shapes, batch, seq)
 
 
 def _shapes(args) -> dict | None:

@@ -18,16 +18,14 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from tvmdm.train_graph import call_op
+
 
 @dataclasses.dataclass(frozen=True)
 class DropoutSite:
     name: str  # e.g. "attention_probs.0"
     shape: tuple
     dtype: str
-
-
-def _op(value) -> str | None:
-    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else None
 
 
 def find_sites(func: relax.Function) -> dict:
@@ -38,19 +36,20 @@ def find_sites(func: relax.Function) -> dict:
 
     def is_dense(var) -> bool:  # matmul, or add(bias, matmul) / add(matmul, bias)
         value = producer.get(var)
-        if _op(value) == "relax.matmul":
+        if call_op(value) == "relax.matmul":
             return True
-        return _op(value) == "relax.add" and any(_op(producer.get(a)) == "relax.matmul" for a in value.args)
+        return call_op(value) == "relax.add" and any(call_op(producer.get(a)) == "relax.matmul"
+                                                     for a in value.args)
 
     sites = {}
     for b in bindings:
-        kind = _op(b.value)
+        kind = call_op(b.value)
         if kind == "relax.nn.softmax":
             sites[b.var] = ("attention_probs", None)
         elif kind == "relax.nn.layer_norm":
             source = b.value.args[0]
             residual = producer.get(source)
-            if _op(residual) == "relax.add" and any(is_dense(a) for a in residual.args):
+            if call_op(residual) == "relax.add" and any(is_dense(a) for a in residual.args):
                 index = next(i for i, a in enumerate(residual.args) if is_dense(a))
                 sites[source] = ("hidden", index)
             else:

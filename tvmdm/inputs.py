@@ -19,6 +19,16 @@ def concrete_shape(spec, dims: dict[str, int], batch: int, seq: int) -> list[int
     return shape
 
 
+def bind_batch_seq(specs, shapes: dict, batch: int | None, seq: int | None) -> dict:
+    """``shapes`` (input name -> shape) plus, for every other input, its shape with the symbolic axes set to
+    (batch, seq) (1 where not given)."""
+    shapes = dict(shapes)
+    for spec in specs:
+        if spec.name not in shapes:
+            shapes[spec.name] = concrete_shape(spec, {}, batch or 1, seq or 1)
+    return shapes
+
+
 def random_inputs(runner, *, batch: int = 2, seq: int = 8, dims: dict | None = None, seed: int = 0):
     """Inputs a BERT-like model accepts: token ids inside the embedding table, a padding mask that zeroes the
     tail of every other row (so masking is exercised), 0/1 token types, normal floats elsewhere."""

@@ -91,9 +91,8 @@ class TrainStep(ModelRunner):
     def step(self, batch: dict) -> float:
         """One training step (forward, loss, backward, AdamW update) on ``batch``; returns the loss."""
         args, target = self._split_batch(batch)
-        scalars = [tvm.runtime.tensor(s, self.device) for s in self.optimizer.scalars(self.step_count + 1, self.lr)]
         result = self._vm["train_step"](*args, target, *self._params, *self._moments["m"], *self._moments["v"],
-                                        *scalars)
+                                        *self._update_scalars())
         self._take_update(list(result[1:]))
         return float(result[0].numpy())
 
@@ -112,10 +111,13 @@ class TrainStep(ModelRunner):
     def apply_gradients(self, grads: list) -> None:
         """The AdamW update of the weights with ``grads`` (device tensors, ``weight_names`` order): one step."""
         self._ensure_loaded()
-        scalars = [tvm.runtime.tensor(s, self.device) for s in self.optimizer.scalars(self.step_count + 1, self.lr)]
         result = self._vm["apply_update"](*self._params, *grads, *self._moments["m"], *self._moments["v"],
-                                          *scalars)
+                                          *self._update_scalars())
         self._take_update(list(result))
+
+    def _update_scalars(self) -> list:
+        """AdamW's per-step inputs (decay, step size, bias correction) for the coming step, on the device."""
+        return [tvm.runtime.tensor(s, self.device) for s in self.optimizer.scalars(self.step_count + 1, self.lr)]
 
     def _take_update(self, updated: list) -> None:
         n = len(self._params)
@@ -220,7 +222,7 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
     from onnx_import.importer import onnx_input_specs
     from onnx_import.loader import load_model_proto
     from tvmdm.checkpoint import MODES
-    from tvmdm.inputs import concrete_shape
+    from tvmdm.inputs import bind_batch_seq
 
     if checkpoint and checkpoint not in MODES:
         raise ValueError(f"unknown checkpoint mode {checkpoint!r}; choose one of {list(MODES)} (or False)")
@@ -229,9 +231,7 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
     proto, source = load_model_proto(model)
     shapes = dict(shapes or {})
     if batch is not None or seq is not None:  # bind the symbolic (batch, seq) axes of every other input
-        for spec in onnx_input_specs(proto):
-            if spec.name not in shapes and any(isinstance(d, str) for d in spec.shape):
-                shapes[spec.name] = concrete_shape(spec, {}, batch or 1, seq or 1)
+        shapes = bind_batch_seq(onnx_input_specs(proto), shapes, batch, seq)
     imported = import_onnx(proto, shapes=shapes)
     imported.source = source
     unbound = [s for s in imported.inputs if any(isinstance(d, str) for d in s.shape)]

@@ -40,6 +40,12 @@ class AdamW:
         return [np.array(v, dtype=np.float32) for v in values]
 
 
+def call_op(value) -> str | None:
+    """The op name of a Relax call binding's value ("relax.matmul"), None for anything else. The graph
+    passes of training (checkpoint, dropout) find their places by it."""
+    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else None
+
+
 def _emit_body(bb: relax.BlockBuilder, func: relax.Function):
     """Re-emit ``func``'s bindings into the current dataflow block (its params must be in scope); returns its
     result expression. This inlines a function without a call, which Gradient could not see through."""
@@ -107,9 +113,8 @@ def add_train_step(mod: tvm.IRModule, n_inputs: int, optimizer: AdamW) -> tvm.IR
     adjoint = relax.transform.Gradient("loss", require_grads=weights)(mod)["loss_adjoint"]
     adjoint = relax.utils.copy_with_new_vars(adjoint)  # fresh vars: no sharing with main / loss
     fixed, weights = list(adjoint.params[:n_inputs + 1]), list(adjoint.params[n_inputs + 1:])
-    moments = [[relax.Var(f"{kind}_{w.name}", w.ty) for w in weights] for kind in ("m", "v")]
-    scalar = relax.TensorType([], "float32")
-    decay, step_size, bc2_sqrt = (relax.Var(n, scalar) for n in ("decay", "step_size", "bc2_sqrt"))
+    moments = [_vars_like(kind, weights) for kind in ("m", "v")]
+    decay, step_size, bc2_sqrt = _update_scalar_vars()
 
     bb = relax.BlockBuilder(tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint == "main"}))
     grads_fn = relax.utils.copy_with_new_vars(adjoint)  # loss and gradients without an update, for checks
@@ -124,14 +129,23 @@ def add_train_step(mod: tvm.IRModule, n_inputs: int, optimizer: AdamW) -> tvm.IR
             out = bb.emit_output(relax.Tuple([loss_value, *updated]))
         bb.emit_func_output(out)
     # The update alone, for data-parallel training: gradients all-reduced between loss_and_grads and this.
-    weights2, grads2 = [[relax.Var(f"{kind}_{w.name}", w.ty) for w in weights] for kind in ("w", "g")]
-    moments2 = [[relax.Var(f"{kind}_{w.name}", w.ty) for w in weights] for kind in ("m", "v")]
-    scalars2 = [relax.Var(n, scalar) for n in ("decay", "step_size", "bc2_sqrt")]
+    weights2, grads2, *moments2 = [_vars_like(kind, weights) for kind in ("w", "g", "m", "v")]
+    scalars2 = _update_scalar_vars()
     with bb.function("apply_update", weights2 + grads2 + moments2[0] + moments2[1] + scalars2):
         with bb.dataflow():
             out = bb.emit_output(relax.Tuple(_emit_adamw(bb, optimizer, weights2, grads2, *moments2, *scalars2)))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def _vars_like(prefix: str, weights) -> list:
+    """One fresh parameter per weight, of its type: moments, gradients, weights of another function."""
+    return [relax.Var(f"{prefix}_{w.name}", w.ty) for w in weights]
+
+
+def _update_scalar_vars() -> list:
+    """The per-step scalar inputs of the update (AdamW.scalars gives their values)."""
+    return [relax.Var(n, relax.TensorType([], "float32")) for n in ("decay", "step_size", "bc2_sqrt")]
 
 
 def _emit_adamw(bb, optimizer: AdamW, weights, grads, ms, vs, decay, step_size, bc2_sqrt) -> list:

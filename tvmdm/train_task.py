@@ -19,7 +19,7 @@ def classifier_model(name: str = DEFAULT_MODEL, num_labels: int = 2):
     """An embedded full BERT with a sequence-classification head (seeded weights)."""
     from tvmdm import models
 
-    if name not in models.DEFAULT_MODELS or name != "bert-small":
+    if name != DEFAULT_MODEL:
         raise KeyError(f"the training demo builds a classifier on 'bert-small'; got {name!r} (give an ONNX "
                        "BertForSequenceClassification export as MODEL to train another)")
     return models.build_bert(models.DEFAULT_MODELS[name][1], num_labels=num_labels)
