@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from schedules.database import RECORDS, WORKLOADS, locked
+from schedules.database import WORKLOADS, locked
 
 
 def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False, only=None):
@@ -24,8 +24,11 @@ def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False,
     one of these strings (e.g. ["matmul"]: the contractions, where most of the time goes)."""
     from tvm.s_tir import meta_schedule as ms
 
+    import tvm
+
     from onnx_import import import_onnx
     from tvmdm import fuse
+    from tvmdm.runtime import TRANSFORM_PARAMS
     from tvmdm.target import make_target
 
     tvm_target = make_target(target)
@@ -41,7 +44,10 @@ def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False,
     if symbolic:
         raise ValueError(f"inputs {symbolic} have symbolic dims: bind them (--batch/--seq or --shape NAME=D0xD1); "
                          "tuning measures one concrete size")
-    tasks = ms.relax_integration.extract_tasks(fuse.fuse(mod, fusion), tvm_target)
+    fused = fuse.fuse(mod, fusion)
+    # Weight packing (main_transform_params) runs once at load: nothing there is worth a trial.
+    fused = tvm.IRModule({gv: f for gv, f in fused.functions_items() if gv.name_hint != TRANSFORM_PARAMS})
+    tasks = ms.relax_integration.extract_tasks(fused, tvm_target)
     if only:
         tasks = [t for t in tasks if any(key in t.task_name for key in only)]
     return tasks, tvm_target
@@ -164,6 +170,7 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
         compat.reset_metaschedule_logging()
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
             tasks, logs, strategy="evolutionary", num_threads=num_cores(), seed=seed)
+        contexts, weights = _drop_unschedulable(contexts, weights, stream, seed)
         database = ms.database.JSONDatabase(work_dir=logs)
         callbacks = ms.measure_callback.MeasureCallback.create("default") + [_progress_callback(progress)]
         ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=logs,
@@ -174,6 +181,55 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
                     time.perf_counter() - progress.start, "training step" if train else "inference")
         return {"tasks": names, "trials_run": progress.done, "trials_in_log": sum(have) + progress.done,
                 "best_ms": dict(zip(names, [b * 1e3 for b in progress.best]))}
+
+
+def _without_consumer_fusion(ctx, seed):
+    """The same task in MetaSchedule's default space, except that multi-level tiling does not try to fuse the
+    tiled block's consumer into its tiles (its reverse_compute_at step raises on the paper's fused kernels);
+    RandomComputeLocation still places the consumers."""
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.schedule_rule import MultiLevelTiling, ReuseType
+
+    kind = ctx.target.kind.name
+    if kind == "cuda":
+        mlt = MultiLevelTiling(structure="SSSRRSRS", tile_binds=["blockIdx.x", "vthread.x", "threadIdx.x"],
+                               max_innermost_factor=64, vector_load_lens=[1, 2, 3, 4, 8, 16],
+                               reuse_read=ReuseType(req="must", levels=[4], scope="shared"), reuse_write=None)
+    else:
+        mlt = MultiLevelTiling(structure="SSRSRS", max_innermost_factor=64, reuse_write=None)
+    rules = [mlt if type(r).__name__ == "MultiLevelTiling" else r for r in ms.ScheduleRule.create(kind)]
+    space = ms.space_generator.PostOrderApply(sch_rules=rules, postprocs=kind, mutator_probs=kind)
+    return ms.TuneContext(mod=ctx.mod, target=ctx.target, space_generator=space, search_strategy="evolutionary",
+                          task_name=ctx.task_name, rand_state=seed if seed is not None else -1,
+                          num_threads=ctx.num_threads)
+
+
+def _drop_unschedulable(contexts, weights, stream, seed=0):
+    """MetaSchedule aborts the whole run when one task's design space cannot be generated. In 0.27 its
+    multi-level tiling raises in reverse_compute_at on the paper's fused kernels (sm, bdrln: a reduction
+    whose consumer also reads other reductions); those are tuned in a space without that consumer fusion. A
+    task that fails there too is left out with a warning (it keeps the default schedule)."""
+    kept = []
+    for ctx, weight in zip(contexts, weights):
+        for attempt in (ctx, None):
+            if attempt is None:
+                attempt = _without_consumer_fusion(ctx, seed)
+            try:
+                attempt.generate_design_space()
+            except Exception as err:  # noqa: BLE001 - any failure there would kill the run
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                problem = first[:160]
+                continue
+            if attempt is not ctx:
+                stream.write(f"note: task {ctx.task_name} tuned without consumer fusion in tiling ({problem})\n")
+            kept.append((attempt, weight))
+            break
+        else:
+            stream.write(f"warning: task {ctx.task_name} cannot be tuned (design space: {problem}); "
+                         "it keeps the default schedule\n")
+    if not kept:
+        raise ValueError("no task can be tuned (every design space failed)")
+    return [c for c, _ in kept], [w for _, w in kept]
 
 
 def _parse_shape(text):
@@ -218,7 +274,7 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
                         help="bind an input shape")
     parser.add_argument("--batch", type=int, help="bind every (batch, seq) input's batch dim")
     parser.add_argument("--seq", type=int, help="bind every (batch, seq) input's seq dim")
-    parser.add_argument("--fusion", default="tvm", choices=["tvm", "none"])
+    parser.add_argument("--fusion", default="tvm", choices=["tvm", "none", "paper"])
     parser.add_argument("--train", action="store_true", help="tune the kernels of the training step (forward, "
                         "MSE loss, backward, AdamW) instead of inference")
     parser.add_argument("--only", action="append", metavar="SUBSTRING", help="tune only the tasks whose name "

@@ -130,8 +130,9 @@ class Report:
 
 
 def report_for(mod: tvm.IRModule, kernel_ops: dict[str, list[str]], source: str, fusion: str,
-               measure_target=None) -> Report:
-    """Rows for every call_tir in ``mod``'s main, in call order."""
+               measure_target=None, read_fractions: dict | None = None) -> Report:
+    """Rows for every call_tir in ``mod``'s main, in call order. ``read_fractions``: kernel -> {input index:
+    share of that input the kernel reads} for inputs read in part (slices of a packed tensor)."""
     from tvmdm.fuse import op_name
     from tvmdm.profile import time_kernel
 
@@ -153,6 +154,8 @@ def report_for(mod: tvm.IRModule, kernel_ops: dict[str, list[str]], source: str,
         if name not in flops_cache:
             flops_cache[name] = kernel_flops(mod, name)
         read = [_tensor_bytes(arg.ty) for arg in call.args[1].fields]
+        for i, share in (read_fractions or {}).get(name, {}).items():
+            read[i] = None if read[i] is None else int(read[i] * share)
         out_types = list(call.ty.fields) if isinstance(call.ty, relax.TupleType) else [call.ty]
         written = [_tensor_bytes(t) for t in out_types]
         if any(b is None for b in read + written):
@@ -166,14 +169,15 @@ def report_for(mod: tvm.IRModule, kernel_ops: dict[str, list[str]], source: str,
 
 
 def analyze(model, *, fusion: str = "tvm", shapes: dict | None = None, measure: bool = False,
-            tuning_logs="shipped") -> Report:
+            tuning_logs="shipped", layout: str = "bshd") -> Report:
     """Report for a compiled model (``tvmdm.Compiled``) or for a model compiled here with ``fusion``."""
     from tvmdm.build import Compiled, compile
 
     compiled = model if isinstance(model, Compiled) else compile(
-        model, shapes=shapes, fusion=fusion, tuning_logs=tuning_logs if measure else None)
+        model, shapes=shapes, fusion=fusion, layout=layout, tuning_logs=tuning_logs if measure else None)
     target = compiled.target if measure else None
-    return report_for(compiled.mod, compiled.kernel_ops, compiled.source, compiled.fusion, target)
+    return report_for(compiled.mod, compiled.kernel_ops, compiled.source, compiled.fusion, target,
+                      getattr(compiled, "read_fractions", None))
 
 
 def compare(reports: list[Report]) -> list[dict]:

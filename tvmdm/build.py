@@ -111,13 +111,15 @@ class Compiled(ModelRunner):
 
 
 def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="shipped", fusion: str = "tvm",
-            params: dict | None = None, **options) -> Compiled:
+            layout: str = "bshd", params: dict | None = None, **options) -> Compiled:
     """Compile an ONNX model (path or ModelProto) or a Relax IRModule for ``target``.
 
     IRModule: ``main`` takes the inputs then the weights; give the weights as ``params`` (name -> array) or
     keep them in main's "params" attribute (``from_onnx(keep_params_in_input=True)``).
     shapes: input name -> concrete shape to bind; dims left unbound stay symbolic (one module, many shapes).
-    fusion: "tvm" (stock FuseOps) or "none".
+    fusion: "paper" (the paper's fusion rules, then stock FuseOps), "tvm" (stock FuseOps) or "none".
+    layout: the attention's Q/K/V/context layout under fusion="paper": "bshd" (read and written where the
+    projections put them, no transposes) or "bhsd" (head-major copies, as the ONNX graph writes).
     tuning_logs: "shipped" (the logs in tuning_logs/ tuned for this target kind), a log directory or a list
     of them, or None. Kernels without a record get our default schedule. Tuned records are for static
     shapes: bind ``shapes`` to the tuned (batch, seq) to use them.
@@ -133,7 +135,8 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     tvm_target = make_target(target)
     t0 = time.perf_counter()
     provenance: dict[str, list[str]] = {}
-    mod = fuse_stage.fuse(imported.mod, fusion, provenance)
+    read_fractions: dict[str, dict[int, float]] = {}
+    mod = fuse_stage.fuse(imported.mod, fusion, provenance, layout, read_fractions)
     mod, tuned = _schedule(mod, tvm_target, tuning_logs)
     kernel_ops = {k: provenance.get(k, [fuse_stage.op_name(k)]) for k in kernels(mod)}
     timings["fuse+schedule"] = time.perf_counter() - t0
@@ -142,7 +145,10 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     timings["build"] = time.perf_counter() - t0
     log.info("compiled %s for %s: %d/%d kernels tuned; %s", imported.source, tvm_target.kind.name, len(tuned),
              len(kernel_ops), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    return Compiled(executable, imported, tvm_target, fusion, timings, kernel_ops, tuned, mod)
+    compiled = Compiled(executable, imported, tvm_target, fusion, timings, kernel_ops, tuned, mod)
+    compiled.layout = layout if fusion == "paper" else None
+    compiled.read_fractions = read_fractions  # kernel -> {input: share read}: packed inputs read in part
+    return compiled
 
 
 def _import(model, shapes, params):

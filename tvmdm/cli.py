@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from tvmdm.errors import TvmdmError
+from tvmdm.fuse import FUSION_LEVELS
 
 ARTIFACT_SUFFIX = ".tvmdm"
 
@@ -151,8 +152,15 @@ def cmd_analyze(args) -> int:
 
     shapes = resolve_shapes(args.model, args.shape, args.batch, args.seq)
     model = _model_arg(args.model)
-    reports = [A.analyze(model, fusion=f, shapes=shapes, measure=args.measure) for f in args.fusion.split(",")]
+    reports = [A.analyze(model, fusion=f, shapes=shapes, measure=args.measure, layout=args.layout)
+               for f in args.fusion.split(",")]
     text = A.dump(reports, args.format)
+    if args.layouts:
+        from tvmdm.layout_search import choose_attention_layout
+
+        choice = choose_attention_layout(model, shapes=shapes)
+        text += "\n## attention layouts (paper fusion; kernels timed, transposes priced, shortest path)\n\n"
+        text += choice.table()
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)
@@ -187,7 +195,7 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="llvm", help="llvm (this CPU), cuda or cuda:sm_80 (default: llvm)")
     p.add_argument("--shape", action="append", type=_parse_shape, metavar="NAME=D0xD1",
                    help="bind an input's shape (repeatable); unbound dims stay symbolic")
-    p.add_argument("--fusion", default="tvm", choices=["tvm", "none"], help="fusion level (default: tvm)")
+    p.add_argument("--fusion", default="tvm", choices=list(FUSION_LEVELS), help="fusion level (default: tvm)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,7 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("analyze", help="per-kernel flops / bytes / class report, fusion levels compared")
     p.add_argument("model", help="ONNX file or embedded model name")
-    p.add_argument("--fusion", default="none,tvm", help="comma-separated fusion levels (first is the baseline)")
+    p.add_argument("--fusion", default="none,tvm,paper",
+                   help="comma-separated fusion levels (first is the baseline)")
+    p.add_argument("--layout", default="bshd", help="attention layout for fusion=paper (bshd, bhsd, "
+                   "qkv=bshd,ctx=bhsd, qkv=bhsd,ctx=bshd)")
+    p.add_argument("--layouts", action="store_true", help="time the attention under every layout and pick the "
+                   "cheapest global configuration (the paper's shortest path)")
     p.add_argument("--format", default="md", choices=["md", "csv", "json"])
     p.add_argument("--output", "-o", help="write the report here instead of stdout")
     p.add_argument("--plot", help="write a roofline + bytes-by-class plot (PNG)")

@@ -1,9 +1,16 @@
 """Fusion: Relax graph -> fused TIR kernels.
 
 Levels (``fusion=`` in compile):
-  "none" - every operator its own kernel (the unfused baseline the paper measures against),
-  "tvm"  - TVM's stock FuseOps/FuseTIR.
-Each level is a ``tvm.transform.Sequential`` of Relax passes (IRModule -> IRModule).
+  "none"  - every operator its own kernel (the unfused baseline the paper measures against),
+  "tvm"   - TVM's stock FuseOps/FuseTIR,
+  "paper" - the paper's rules (substation's kernels) before stock fusion takes the rest: one merged QKV
+            contraction (AIB: its biases ride in its epilogue), transposes folded into the attention
+            contractions (layout "bshd", see graph_rewrites), SM (scores contraction + 1/sqrt(d) scale + mask +
+            softmax in one kernel), the context contraction reading V in place, BDRLN (output contraction +
+            bias + residual + LayerNorm, twice) and BGD (contraction + bias + GELU, stock FuseOps' epilogue).
+Each level is a ``tvm.transform.Sequential`` of Relax passes (IRModule -> IRModule). Inside every fused
+kernel the element-wise blocks are inlined by the schedules (ours and MetaSchedule's AutoInline), so the
+intermediates of a group never reach memory as tensors.
 """
 from __future__ import annotations
 
@@ -12,7 +19,34 @@ import re
 import tvm
 from tvm import relax, tirx
 
-FUSION_LEVELS = ("none", "tvm")
+from tvm.relax.dpl import is_const, is_op, is_tuple, wildcard
+from tvm.s_tir import schedule as sch_mod
+
+from tvmdm import compat, graph_rewrites
+
+FUSION_LEVELS = ("none", "tvm", "paper")
+# Attention layouts (graph_rewrites.absorb_transposes): "bshd" reads Q/K/V and writes the context where the
+# projections want them (no transposes); "bhsd" makes head-major copies (the ONNX graph's transposes);
+# "qkv=bshd,ctx=bhsd" and the like mix them, per tensor group, as the layout search may choose.
+LAYOUTS = ("bshd", "bhsd", "qkv=bshd,ctx=bhsd", "qkv=bhsd,ctx=bshd")
+
+
+def parse_layout(layout: str) -> dict[str, str]:
+    """"bshd" -> {"qkv": "bshd", "ctx": "bshd"}; "qkv=bshd,ctx=bhsd" -> {"qkv": "bshd", "ctx": "bhsd"}."""
+    if "=" not in layout:
+        parts = {"qkv": layout, "ctx": layout}
+    else:
+        try:
+            parts = dict(item.split("=", 1) for item in layout.split(","))
+        except ValueError:
+            parts = {}
+    if set(parts) != {"qkv", "ctx"} or not set(parts.values()) <= set(graph_rewrites.ATTENTION_LAYOUTS):
+        raise ValueError(f"unknown attention layout {layout!r}; choose one of {list(LAYOUTS)}")
+    return parts
+
+
+def layout_name(qkv: str, ctx: str) -> str:
+    return qkv if qkv == ctx else f"qkv={qkv},ctx={ctx}"
 
 
 def lowering_passes() -> list:
@@ -21,7 +55,7 @@ def lowering_passes() -> list:
     FastMathTransform swaps erf, exp and softmax for TVM's polynomial versions (fast_erf is within 4.2e-7
     of float64 erf over [-6, 6], measured): exact erf costs as much as the FFN contraction it is fused with."""
     return [
-        relax.transform.FastMathTransform(),
+        compat.fast_math(),
         relax.transform.DecomposeOpsForInference(),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
@@ -61,19 +95,184 @@ def record_kernel_ops(provenance: dict) -> tvm.transform.Pass:
     return record
 
 
-def fusion_pipeline(fusion: str = "tvm", provenance: dict | None = None) -> tvm.transform.Pass:
-    """The Sequential pass for a fusion level; ``provenance`` (a dict) receives kernel -> ops."""
+def _attention_operand():
+    """An attention contraction's operand: Q, K or V sliced in place out of the packed QKV output (merge_qkv),
+    or any tensor."""
+    sliced = is_op("relax.strided_slice")(wildcard(), varg_default_wildcard=True)
+    return is_op("relax.squeeze")(sliced) | wildcard()
+
+
+CHEAP_BLOCK_CHARS = 1000  # printed size of a block body: an add or a slice ~450, fast_exp's polynomial ~3500
+
+
+def _inline_producers(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Inline every element-wise producer block into its consumers when it has one consumer or is cheap to
+    recompute (a bias add read by LayerNorm's two reductions and its normalization): the pattern kernel's
+    intermediates then never exist as buffers. Expensive blocks read twice (softmax's exp) stay."""
+    sch = sch_mod.Schedule(func)
+    changed = True
+    while changed:
+        changed = False
+        for block in sch.get_child_blocks(sch.get_sblock("root")):
+            node = sch.get(block)
+            consumers = sch.get_consumers(block)
+            if not consumers or any(iv.iter_type != tirx.IterVar.DataPar for iv in node.iter_vars):
+                continue
+            if len(consumers) > 1 and len(node.body.script()) > CHEAP_BLOCK_CHARS:
+                continue
+            try:
+                sch.compute_inline(block)
+            except sch_mod.ScheduleError:
+                continue
+            changed = True
+            break
+    return sch.mod["main"]
+
+
+def inline_pattern_kernels() -> tvm.transform.Pass:
+    """TIR side of the pattern fusion: inline the element-wise blocks of the paper's kernels (sm,
+    attention_context, bdrln), so compile, our default schedules and the tuner all see the fused form."""
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmdm.InlinePatternKernels")
+    def run(mod, _ctx):
+        kernels = {name for name, _ in paper_patterns()}
+        out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
+        for gv, func in mod.functions_items():
+            if isinstance(func, tirx.PrimFunc) and f"tvmdm.{op_name(gv.name_hint)}" in kernels:
+                out[gv] = _inline_producers(func)
+        return out
+
+    return run
+
+
+def paper_patterns() -> list[tuple]:
+    """(name, dataflow pattern) of the kernels the paper fuses beyond stock FuseOps, most specific first."""
+    # A pattern object used twice must match the same expression twice: one operand pattern per use.
+    operand = _attention_operand
+    scores = (is_op("relax.einsum")(is_tuple([operand(), operand()]))
+              | is_op("relax.matmul")(operand(), operand()))
+    scaled = is_op("relax.multiply")(scores, is_const()) | is_op("relax.divide")(scores, is_const()) | scores
+    masked = is_op("relax.add")(scaled, wildcard()) | scaled
+    softmax = is_op("relax.nn.softmax")(masked)
+    context = is_op("relax.einsum")(is_tuple([wildcard(), operand()]))
+    # BDRLN as substation has it: the contraction stays a kernel of its own (MetaSchedule 0.27 cannot tile a
+    # contraction whose epilogue is a LayerNorm: its design space raises in reverse_compute_at).
+    biased = is_op("relax.add")(wildcard(), wildcard())
+    residual = is_op("relax.add")(biased, wildcard())
+    bdrln = is_op("relax.nn.layer_norm")(residual, wildcard(), wildcard())
+    return [("tvmdm.sm", softmax), ("tvmdm.attention_context", context), ("tvmdm.bdrln", bdrln)]
+
+
+def name_paper_kernels() -> tvm.transform.Pass:
+    """Name each pattern-fused function after its paper kernel ("sm", "bdrln", "bdrln1", ...): FuseTIR names
+    the kernel after it, so reports, profiles and tuning logs say which kernel is which."""
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmdm.NamePaperKernels")
+    def run(mod, _ctx):
+        taken = {gv.name_hint for gv in mod.get_global_vars()}
+        renames = {}
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function) and func.attrs is not None and "Composite" in func.attrs:
+                base = str(func.attrs["Composite"]).split(".")[-1]
+                name, n = base, 0
+                while name in taken:
+                    n += 1
+                    name = f"{base}{n}"
+                taken.add(name)
+                renames[gv] = name
+        if not renames:
+            return mod
+        bb = relax.BlockBuilder()
+        new_gvs = {gv: bb.add_func(mod[gv], name) for gv, name in renames.items()}
+
+        @relax.expr_functor.mutator
+        class Rename(relax.PyExprMutator):
+            def visit_global_var_(self, gv):
+                return new_gvs.get(gv, gv)
+
+        for gv, func in mod.functions_items():
+            if gv in renames:
+                continue
+            if isinstance(func, relax.Function):
+                func = Rename().visit_expr(func)
+            bb.add_func(func, gv.name_hint)
+        return bb.get()
+
+    return run
+
+
+def _slice_hull(func: relax.Function, param) -> float | None:
+    """Fraction of ``param`` that ``func`` reads, when it only reads strided_slices of it along one axis."""
+    spans, axes = [], set()
+    only_sliced = True
+
+    def visit(expr):
+        nonlocal only_sliced
+        if not isinstance(expr, relax.Call):
+            return
+        for i, arg in enumerate(expr.args):
+            if not arg.same_as(param):
+                continue
+            if graph_rewrites.call_op(expr) != "relax.strided_slice" or i != 0 or len(expr.args[1]) != 1:
+                only_sliced = False
+                return
+            axes.add(int(expr.args[1][0]))
+            spans.append((int(expr.args[2][0]), int(expr.args[3][0])))
+
+    relax.analysis.post_order_visit(func.body, visit)
+    if not only_sliced or len(axes) != 1 or not spans:
+        return None
+    extent = int(param.ty.shape.values[axes.pop()])
+    return (max(e for _, e in spans) - min(b for b, _ in spans)) / extent
+
+
+def record_read_fractions(fractions: dict) -> tvm.transform.Pass:
+    """Analysis pass: ``fractions[kernel][i]`` = share of input i the kernel reads, for inputs it only reads
+    slices of (the attention kernels read Q, K or V out of the packed QKV tensor): the data-movement report
+    counts those bytes, not the whole packed tensor."""
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmdm.RecordReadFractions")
+    def run(mod, _ctx):
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function) and func.attrs is not None and "Composite" in func.attrs:
+                shares = {i: f for i, p in enumerate(func.params) if (f := _slice_hull(func, p)) is not None}
+                if shares:
+                    fractions[gv.name_hint] = shares
+        return mod
+
+    return run
+
+
+def paper_passes(layout: str = "bshd", read_fractions: dict | None = None) -> list:
+    """Graph rewrites and pattern fusion of the "paper" level, before lowering."""
+    rewrites = [graph_rewrites.canonicalize_bias_add(), graph_rewrites.merge_qkv(),
+                graph_rewrites.absorb_transposes(**parse_layout(layout))]
+    # Weight-only work (the packed QKV weights) moves to main_transform_params, run once at load.
+    return rewrites + [relax.transform.LiftTransformParams(),
+                       relax.transform.FuseOpsByPattern(paper_patterns(), bind_constants=False,
+                                                        annotate_codegen=False),
+                       name_paper_kernels(), record_read_fractions({} if read_fractions is None else read_fractions)]
+
+
+def fusion_pipeline(fusion: str = "tvm", provenance: dict | None = None, layout: str = "bshd",
+                    read_fractions: dict | None = None) -> tvm.transform.Pass:
+    """The Sequential pass for a fusion level; ``provenance`` (a dict) receives kernel -> ops,
+    ``read_fractions`` kernel -> {input index: share of it read} (see record_read_fractions)."""
     if fusion not in FUSION_LEVELS:
         raise ValueError(f"unknown fusion level {fusion!r}; choose one of {list(FUSION_LEVELS)}")
     provenance = {} if provenance is None else provenance
-    passes = lowering_passes()
-    if fusion == "tvm":
+    passes = (paper_passes(layout, read_fractions) if fusion == "paper" else []) + lowering_passes()
+    if fusion in ("tvm", "paper"):
         passes += [relax.transform.FuseOps(), record_kernel_ops(provenance), relax.transform.FuseTIR()]
+        if fusion == "paper":
+            passes.append(inline_pattern_kernels())
     else:
         passes.append(record_kernel_ops(provenance))
-    passes.append(relax.transform.DeadCodeElimination())
+    # A kernel that only reshapes becomes a view (as relax.build would do): no bytes move.
+    passes += [relax.transform.RewriteDataflowReshape(), relax.transform.DeadCodeElimination()]
     return tvm.transform.Sequential(passes, name=f"tvmdm.fuse.{fusion}")
 
 
-def fuse(mod: tvm.IRModule, fusion: str = "tvm", provenance: dict | None = None) -> tvm.IRModule:
-    return fusion_pipeline(fusion, provenance)(mod)
+def fuse(mod: tvm.IRModule, fusion: str = "tvm", provenance: dict | None = None, layout: str = "bshd",
+         read_fractions: dict | None = None) -> tvm.IRModule:
+    return fusion_pipeline(fusion, provenance, layout, read_fractions)(mod)

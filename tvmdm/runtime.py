@@ -12,6 +12,9 @@ from tvm import relax
 from tvmdm.errors import InputError, TvmdmError
 
 
+TRANSFORM_PARAMS = "main_transform_params"  # relax.transform.LiftTransformParams' weight-only function
+
+
 def _device_for(kind: str):
     return tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
 
@@ -31,6 +34,7 @@ class ModelRunner:
         # machine without a GPU.
         self._vm = None
         self._params = None
+        self._transformed = False
 
     def _ensure_loaded(self):
         if self._vm is None:
@@ -40,6 +44,10 @@ class ModelRunner:
                                  "is present here: export it and run it on a machine that has one")
             self._vm = relax.VirtualMachine(self._executable, self.device)
             self._params = [tvm.runtime.tensor(v, self.device) for v in self._host_params.values()]
+            if self._vm.module.implements_function(TRANSFORM_PARAMS):
+                # Pre-packed weights (e.g. the merged QKV matrix): made once here, main takes them.
+                self._params = list(self._vm[TRANSFORM_PARAMS](self._params))
+                self._transformed = True
 
     @property
     def input_names(self) -> list[str]:
@@ -50,7 +58,8 @@ class ModelRunner:
         return [s.name for s in self.outputs]
 
     def params(self) -> dict[str, np.ndarray]:
-        if self._params is None:
+        """The model's weights by ONNX name (inference never changes them; a training step does)."""
+        if self._params is None or self._transformed:
             return dict(self._host_params)
         return {name: p.numpy() for name, p in zip(self._host_params, self._params)}
 
