@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
 from schedules.database import WORKLOADS, locked
 
 
-def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False, only=None):
+def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False, only=None, layout="bshd"):
     """(tuning tasks, the compile target) for ``model`` as tvmdm.compile (or, with ``train``,
     tvmdm.compile_train_step with an MSE loss) would build it. ``only``: keep the tasks whose name contains
     one of these strings (e.g. ["matmul"]: the contractions, where most of the time goes)."""
@@ -35,7 +36,7 @@ def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False,
     if train:
         from tvmdm.train import training_graph
 
-        imported, mod, _, _ = training_graph(model, loss="mse", shapes=shapes)
+        imported, mod, _, _ = training_graph(model, loss="mse", shapes=shapes, fusion=fusion, layout=layout)
     else:
         imported = import_onnx(model, shapes=shapes)
         mod = imported.mod
@@ -44,7 +45,7 @@ def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False,
     if symbolic:
         raise ValueError(f"inputs {symbolic} have symbolic dims: bind them (--batch/--seq or --shape NAME=D0xD1); "
                          "tuning measures one concrete size")
-    fused = fuse.fuse(mod, fusion)
+    fused = fuse.fuse(mod, fusion, layout=layout, lift_params=not train)
     # Weight packing (main_transform_params) runs once at load: nothing there is worth a trial.
     fused = tvm.IRModule({gv: f for gv, f in fused.functions_items() if gv.name_hint != TRANSFORM_PARAMS})
     tasks = ms.relax_integration.extract_tasks(fused, tvm_target)
@@ -146,7 +147,7 @@ def make_runner(rpc_tracker: str | None, rpc_key: str | None, timeout_s: int = 3
 
 def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusion="tvm", per_iter: int = 8,
          rpc_tracker=None, rpc_key=None, seed: int | None = 0, stream=None, name: str | None = None,
-         train: bool = False, only=None) -> dict:
+         train: bool = False, only=None, layout: str = "bshd") -> dict:
     """Tune until the log holds ``trials`` records for the model's tasks. Returns a summary dict."""
     from tvm.s_tir import meta_schedule as ms
 
@@ -156,7 +157,7 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
     stream = stream or sys.stderr
     # The tuner itself imports the tensor intrinsics too (~27 s of TVMScript parsing without this).
     compat.speed_up_tvmscript_parsing()
-    tasks, tvm_target = extract_tasks(model, target, shapes, fusion, train, only)
+    tasks, tvm_target = extract_tasks(model, target, shapes, fusion, train, only, layout)
     if not tasks:
         raise ValueError(f"no tuning task left (--only {only})")
     names = [t.task_name for t in tasks]
@@ -173,12 +174,15 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
         contexts, weights = _drop_unschedulable(contexts, weights, stream, seed)
         database = ms.database.JSONDatabase(work_dir=logs)
         callbacks = ms.measure_callback.MeasureCallback.create("default") + [_progress_callback(progress)]
-        ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=logs,
-                      max_trials_global=remaining, num_trials_per_iter=per_iter, database=database,
-                      builder=make_builder(), runner=make_runner(rpc_tracker, rpc_key), cost_model="xgb", measure_callbacks=callbacks)
-        stream.write("\n" + progress.summary() + "\n")
-        _write_meta(logs, name or model, tvm_target, shapes, fusion, sum(have) + progress.done,
-                    time.perf_counter() - progress.start, "training step" if train else "inference")
+        try:
+            ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=logs,
+                          max_trials_global=remaining, num_trials_per_iter=per_iter, database=database,
+                          builder=make_builder(), runner=make_runner(rpc_tracker, rpc_key), cost_model="xgb",
+                          measure_callbacks=callbacks)
+        finally:  # an interrupted run's trials and time count too
+            stream.write("\n" + progress.summary() + "\n")
+            _write_meta(logs, name or model, tvm_target, shapes, fusion, sum(have) + progress.done,
+                        time.perf_counter() - progress.start, "training step" if train else "inference")
         return {"tasks": names, "trials_run": progress.done, "trials_in_log": sum(have) + progress.done,
                 "best_ms": dict(zip(names, [b * 1e3 for b in progress.best]))}
 
@@ -275,6 +279,7 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, help="bind every (batch, seq) input's batch dim")
     parser.add_argument("--seq", type=int, help="bind every (batch, seq) input's seq dim")
     parser.add_argument("--fusion", default="tvm", choices=["tvm", "none", "paper"])
+    parser.add_argument("--layout", default="bshd", help="attention layout under --fusion paper (see tvmdm.compile)")
     parser.add_argument("--train", action="store_true", help="tune the kernels of the training step (forward, "
                         "MSE loss, backward, AdamW) instead of inference")
     parser.add_argument("--only", action="append", metavar="SUBSTRING", help="tune only the tasks whose name "
@@ -284,15 +289,20 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None, args=None) -> int:
     from tvmdm.cli import _model_arg, resolve_shapes
 
     args = args or build_parser().parse_args(argv)
     shapes = resolve_shapes(args.model, args.shape, args.batch, args.seq)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops as cleanly as Ctrl-C
     try:
         tune(_model_arg(args.model), logs=args.logs, target=args.target, trials=args.trials, shapes=shapes,
              fusion=args.fusion, per_iter=args.per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key,
-             name=args.model, train=args.train, only=args.only)
+             name=args.model, train=args.train, only=args.only, layout=args.layout)
     except KeyboardInterrupt:
         # Every joined batch is already in the log; only the batches in flight are lost.
         print(f"\ninterrupted: the records measured so far are in {args.logs}; rerun the same command to "

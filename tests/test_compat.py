@@ -174,7 +174,7 @@ def test_metaschedule_logging_survives_foreign_handlers(tmp_path):
 STOCK_GRADIENTS = """
 import tvm
 names = ["relax.erf", "relax.nn.gelu", "relax.nn.layer_norm", "relax.strided_slice", "relax.einsum",
-         "relax.one_hot", "relax.grad.no_grad"]
+         "relax.one_hot", "relax.grad.no_grad", "relax.squeeze"]
 print(",".join(n for n in names if tvm.ir.Op.get(n).get_attr("FPrimalGradient") is None))
 """
 
@@ -184,7 +184,7 @@ def test_stock_gradients_missing_and_ours_registered():
     out = subprocess.run([sys.executable, "-c", STOCK_GRADIENTS], capture_output=True, text=True, check=True)
     stock_missing = out.stdout.strip().split(",")
     assert stock_missing == ["relax.erf", "relax.nn.gelu", "relax.nn.layer_norm", "relax.strided_slice",
-                             "relax.einsum", "relax.one_hot", "relax.grad.no_grad"]
+                             "relax.einsum", "relax.one_hot", "relax.grad.no_grad", "relax.squeeze"]
     import tvm
 
     compat.register_missing_gradients()
@@ -211,7 +211,7 @@ def _grad_of(build_body, x_np, w_np):
     return grads[0].numpy()
 
 
-@pytest.mark.parametrize("op", ["erf", "gelu", "layer_norm", "strided_slice"])
+@pytest.mark.parametrize("op", ["erf", "gelu", "layer_norm", "strided_slice", "squeeze"])
 def test_registered_gradients_match_torch(op):
     torch = pytest.importorskip("torch")
     from tvm import relax
@@ -229,6 +229,8 @@ def test_registered_gradients_match_torch(op):
                                                                 torch.from_numpy(beta), 1e-5)),
         "strided_slice": (lambda x: relax.op.strided_slice(x, axes=[0, 1], begin=[1, 2], end=[3, -1]),
                           lambda t: t[1:3, 2:-1]),
+        "squeeze": (lambda x: relax.op.squeeze(relax.op.strided_slice(x, axes=[0], begin=[1], end=[2]), axis=[0]),
+                    lambda t: t[1]),
     }
     build, reference = relax_ops[op]
     t = torch.from_numpy(x_np).requires_grad_()
@@ -397,3 +399,36 @@ def test_relax_training_setup_trainer_and_adam(tmp_path):
         torch.nn.functional.mse_loss(torch.from_numpy(xv) @ w, torch.from_numpy(yv)).backward()
         optimizer.step()
     np.testing.assert_allclose(np.load(tmp_path / "w.npy"), w.detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_fast_math_on_modules_with_composite_functions():
+    """FastMathTransform reads call.op.name of every call and fails on calls of a GlobalVar (every module has
+    them once FuseOpsByPattern made composite functions); compat.fast_math rewrites the same ops."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.dpl import is_op, wildcard
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(x, x))
+            z = bb.emit(relax.op.nn.softmax(relax.op.erf(y), axis=-1))
+            out = bb.emit_output(z)
+        bb.emit_func_output(out)
+    mod = relax.transform.FuseOpsByPattern([("add", is_op("relax.add")(wildcard(), wildcard()))],
+                                           bind_constants=False, annotate_codegen=False)(bb.get())
+    with pytest.raises(Exception, match="'GlobalVar' object has no attribute 'name'"):
+        relax.transform.FastMathTransform()(mod)
+    fast = compat.fast_math()(mod)
+    names = [gv.name_hint for gv in fast.get_global_vars()]
+    assert "fast_softmax" in names and "fast_erf" in names
+    built = relax.build(relax.transform.LegalizeOps()(fast), target="llvm")
+    vm = relax.VirtualMachine(built, tvm.cpu())
+    a = np.random.default_rng(0).standard_normal((4, 8)).astype("float32")
+    from math import erf
+
+    ref = np.vectorize(erf)(2 * a.astype(np.float64))
+    ref = np.exp(ref - ref.max(-1, keepdims=True))
+    ref /= ref.sum(-1, keepdims=True)
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(a)).numpy(), ref, atol=1e-6)

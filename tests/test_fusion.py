@@ -25,18 +25,8 @@ def tiny_imported(tiny_layer):
     return import_onnx(tiny_layer, shapes=TINY_SHAPES)
 
 
-def test_canonicalize_bias_add_puts_the_contraction_first(tiny_imported):
-    def bias_first(mod):
-        values = {b.var: b.value for block in mod["main"].body.blocks for b in block.bindings}
-        return sum(1 for v in values.values() if call_op(v) == "relax.add"
-                   and call_op(values.get(v.args[1])) == "relax.matmul")
-
-    assert bias_first(tiny_imported.mod) == 6  # ONNX writes Add(bias, MatMul)
-    assert bias_first(graph_rewrites.canonicalize_bias_add()(tiny_imported.mod)) == 0
-
-
 def test_merge_qkv_makes_one_contraction_of_the_three_projections(tiny_imported):
-    mod = graph_rewrites.merge_qkv()(graph_rewrites.canonicalize_bias_add()(tiny_imported.mod))
+    mod = graph_rewrites.merge_qkv()(tiny_imported.mod)  # ONNX wrote Add(bias, MatMul): merged all the same
     ops = _ops(mod)
     assert ops.count("relax.matmul") == _ops(tiny_imported.mod).count("relax.matmul") - 2
     packed = [b.value for block in mod["main"].body.blocks for b in block.bindings
@@ -47,8 +37,8 @@ def test_merge_qkv_makes_one_contraction_of_the_three_projections(tiny_imported)
 
 
 def test_absorb_transposes_leaves_no_permute(tiny_imported):
-    mod = tvm.transform.Sequential([graph_rewrites.canonicalize_bias_add(), graph_rewrites.merge_qkv(),
-                                    graph_rewrites.absorb_transposes()])(tiny_imported.mod)
+    mod = tvm.transform.Sequential([graph_rewrites.merge_qkv(), graph_rewrites.absorb_transposes()])(
+        tiny_imported.mod)
     ops = _ops(mod)
     assert "relax.permute_dims" not in ops and ops.count("relax.einsum") == 2
     head_major = graph_rewrites.absorb_transposes(qkv="bhsd", ctx="bhsd")(tiny_imported.mod)
@@ -161,3 +151,31 @@ def test_tuner_tunes_the_paper_kernels_in_a_space_it_can_build(tiny_layer, tmp_p
     assert sorted(c.task_name for c in kept) == ["bdrln", "sm"]
     assert all(c.generate_design_space() for c in kept)
     assert "tuned without consumer fusion" in stream.getvalue()
+
+
+def test_paper_fused_training_step_matches_torch_autograd(tiny_layer):
+    """fusion="paper" in a training step: merged QKV and transpose-free attention in forward and backward
+    (Gradient runs on the rewritten graph), pattern kernels where the backward pass does not need their
+    intermediates; loss and all 16 gradients as torch's."""
+    pytest.importorskip("torch")
+    from test_train import _ours, _rel_err, _torch_layer, _torch_layer_loss
+
+    step = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, tuning_logs=None, fusion="paper")
+    stock = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, tuning_logs=None)
+    feeds = tvmdm.random_inputs(step, batch=2, seq=8)
+    batch = dict(feeds, labels=np.random.default_rng(1).standard_normal(step.target_spec.shape).astype(np.float32))
+    loss, grads = step.gradients(batch)
+    ref, layout = _torch_layer(tiny_layer)
+    torch_loss = _torch_layer_loss(ref, batch)
+    torch_loss.backward()
+    assert loss == pytest.approx(torch_loss.item(), rel=1e-5)
+    assert sorted(grads) == sorted(ours for ours, _ in layout.values())
+    scale = max(p.grad.abs().max().item() for p in ref.module.parameters())
+    for name, p in ref.module.named_parameters():
+        ours, transposed = layout[name]
+        assert _rel_err(_ours(grads[ours], transposed), p.grad.numpy(), 1e-3 * scale) < 1e-5, name
+    kernels = call_sites(step.mod, "train_step")
+    assert sum(kernels.values()) < sum(call_sites(stock.mod, "train_step").values())
+    # the backward's attention contractions are einsums too (stock: matmuls around transposes)
+    assert any("einsum" in k for k in kernels) and not any("einsum" in k for k in call_sites(stock.mod, "train_step"))
+    assert step.step(batch) == pytest.approx(loss, rel=1e-6)  # the update runs too

@@ -177,3 +177,30 @@ def test_metaschedule_cuda_candidates_build_here(tiny_layer, arch):
     lib = tvm.compile(spaces[0].mod, target=target)
     source = lib.mod.imports[0].inspect_source()
     assert "__global__" in source and "extern \"C\"" in source
+
+
+def test_kill_stops_the_tuner_like_ctrl_c_and_keeps_records_and_time(tmp_path):
+    """SIGTERM mid-run: exit code 130, every finished batch stays in the log, meta.json counts them and the
+    time spent, the lock is released (a rerun continues from them)."""
+    import signal
+
+    logs = str(tmp_path / "killed")
+    proc = subprocess.Popen([sys.executable, "-m", "schedules.tune", "bert-tiny-layer", "--logs", logs,
+                             "--trials", "400", "--per-iter", "2", "--batch", "2", "--seq", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    records = os.path.join(logs, database.RECORDS)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isfile(records) and sum(1 for _ in open(records)) >= 2:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted: the records measured so far are in" in err
+    kept = sum(1 for _ in open(records))
+    meta = json.load(open(os.path.join(logs, "meta.json")))
+    assert kept >= 2 and meta["trials"] >= 2 and meta["tuning_seconds"] > 0
+    with database.locked(logs):  # released: a rerun may take it
+        pass

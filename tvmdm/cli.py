@@ -63,7 +63,8 @@ def _shapes(args) -> dict | None:
 def _compile(args):
     import tvmdm
 
-    return tvmdm.compile(_model_arg(args.model), target=args.target, shapes=_shapes(args), fusion=args.fusion)
+    return tvmdm.compile(_model_arg(args.model), target=args.target, shapes=_shapes(args), fusion=args.fusion,
+                         layout=args.layout)
 
 
 def cmd_compile(args) -> int:
@@ -196,6 +197,7 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", action="append", type=_parse_shape, metavar="NAME=D0xD1",
                    help="bind an input's shape (repeatable); unbound dims stay symbolic")
     p.add_argument("--fusion", default="tvm", choices=list(FUSION_LEVELS), help="fusion level (default: tvm)")
+    p.add_argument("--layout", default="bshd", help="attention layout under --fusion paper (default: bshd)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,7 +297,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (TvmdmError, KeyError, NotImplementedError) as err:
+    except (TvmdmError, KeyError, NotImplementedError, ValueError) as err:
         if os.environ.get("TVMDM_DEBUG"):
             raise
         message = err.args[0] if isinstance(err, KeyError) and err.args else err

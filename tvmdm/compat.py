@@ -310,6 +310,13 @@ def register_missing_gradients() -> None:
 
         GRADIENTS_ADDED.append("relax.einsum")
 
+    if missing("relax.squeeze"):
+        @register_gradient("relax.squeeze")
+        def squeeze_grad(orig_var, orig_call, output_grad, ctx):  # the dropped unit axes come back
+            return [relax.op.reshape(output_grad, orig_call.args[0].ty.shape)]
+
+        GRADIENTS_ADDED.append("relax.squeeze")
+
     # Ops whose results carry no gradient (integer-valued masks and labels) but that Gradient still asks
     # about when their output meets a differentiable value in a multiply; no_grad itself is one of them.
     for name in ("relax.one_hot", "relax.grad.no_grad"):

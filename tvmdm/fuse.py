@@ -135,7 +135,7 @@ def inline_pattern_kernels() -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="tvmdm.InlinePatternKernels")
     def run(mod, _ctx):
-        kernels = {name for name, _ in paper_patterns()}
+        kernels = {pattern[0] for pattern in paper_patterns()}
         out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
         for gv, func in mod.functions_items():
             if isinstance(func, tirx.PrimFunc) and f"tvmdm.{op_name(gv.name_hint)}" in kernels:
@@ -160,7 +160,29 @@ def paper_patterns() -> list[tuple]:
     biased = is_op("relax.add")(wildcard(), wildcard())
     residual = is_op("relax.add")(biased, wildcard())
     bdrln = is_op("relax.nn.layer_norm")(residual, wildcard(), wildcard())
-    return [("tvmdm.sm", softmax), ("tvmdm.attention_context", context), ("tvmdm.bdrln", bdrln)]
+    # Without the in-place slices: where the backward pass reads Q, K or V (a training step), the slices
+    # must stay their own values and only the contraction onwards fuses.
+    plain_scores = is_op("relax.einsum")(is_tuple([wildcard(), wildcard()])) | is_op("relax.matmul")(wildcard(),
+                                                                                                    wildcard())
+    plain_scaled = (is_op("relax.multiply")(plain_scores, is_const()) | is_op("relax.divide")(plain_scores, is_const())
+                    | plain_scores)
+    plain_softmax = is_op("relax.nn.softmax")(is_op("relax.add")(plain_scaled, wildcard()) | plain_scaled)
+    return [(name, pattern, {}, _intermediates_stay_inside)
+            for name, pattern in (("tvmdm.sm", softmax), ("tvmdm.attention_context", context),
+                                  ("tvmdm.bdrln", bdrln), ("tvmdm.sm", plain_softmax))]
+
+
+def _intermediates_stay_inside(ctx) -> bool:
+    """Fuse a match only when no value computed inside it is read outside (a training step's backward pass
+    reads the forward's intermediates; fusing those away would leave the reader without its input)."""
+    root = ctx.value_to_bound_var.get(ctx.matched_expr)
+    inside = set(ctx.matched_bindings.keys())
+    for var in inside:
+        if var.same_as(root):
+            continue
+        if any(user not in inside for user in ctx.var_usages.get(var, [])):
+            return False
+    return True
 
 
 def name_paper_kernels() -> tvm.transform.Pass:
@@ -243,25 +265,34 @@ def record_read_fractions(fractions: dict) -> tvm.transform.Pass:
     return run
 
 
-def paper_passes(layout: str = "bshd", read_fractions: dict | None = None) -> list:
-    """Graph rewrites and pattern fusion of the "paper" level, before lowering."""
-    rewrites = [graph_rewrites.canonicalize_bias_add(), graph_rewrites.merge_qkv(),
-                graph_rewrites.absorb_transposes(**parse_layout(layout))]
-    # Weight-only work (the packed QKV weights) moves to main_transform_params, run once at load.
-    return rewrites + [relax.transform.LiftTransformParams(),
-                       relax.transform.FuseOpsByPattern(paper_patterns(), bind_constants=False,
-                                                        annotate_codegen=False),
-                       name_paper_kernels(), record_read_fractions({} if read_fractions is None else read_fractions)]
+def paper_graph_rewrites(layout: str = "bshd") -> tvm.transform.Pass:
+    """The graph rewrites of the "paper" level (on ``main``; a training step applies them before Gradient,
+    so the backward graph inherits the merged QKV and the transpose-free attention)."""
+    # The contractions keep the operand order ONNX gave their bias adds, so kernels the paper's rules leave
+    # alone (the FFN's matmul + bias + GELU) are the very kernels stock fusion makes: their tuned records apply.
+    return tvm.transform.Sequential([graph_rewrites.merge_qkv(),
+                                     graph_rewrites.absorb_transposes(**parse_layout(layout))],
+                                    name="tvmdm.PaperGraphRewrites")
+
+
+def paper_passes(layout: str = "bshd", read_fractions: dict | None = None, lift_params: bool = True) -> list:
+    """Graph rewrites and pattern fusion of the "paper" level, before lowering. ``lift_params``: move
+    weight-only work (the packed QKV weights) to main_transform_params, run once at load (inference only:
+    a training step changes its weights every step)."""
+    lift = [relax.transform.LiftTransformParams()] if lift_params else []
+    return [paper_graph_rewrites(layout)] + lift + [
+        relax.transform.FuseOpsByPattern(paper_patterns(), bind_constants=False, annotate_codegen=False),
+        name_paper_kernels(), record_read_fractions({} if read_fractions is None else read_fractions)]
 
 
 def fusion_pipeline(fusion: str = "tvm", provenance: dict | None = None, layout: str = "bshd",
-                    read_fractions: dict | None = None) -> tvm.transform.Pass:
+                    read_fractions: dict | None = None, lift_params: bool = True) -> tvm.transform.Pass:
     """The Sequential pass for a fusion level; ``provenance`` (a dict) receives kernel -> ops,
     ``read_fractions`` kernel -> {input index: share of it read} (see record_read_fractions)."""
     if fusion not in FUSION_LEVELS:
         raise ValueError(f"unknown fusion level {fusion!r}; choose one of {list(FUSION_LEVELS)}")
     provenance = {} if provenance is None else provenance
-    passes = (paper_passes(layout, read_fractions) if fusion == "paper" else []) + lowering_passes()
+    passes = (paper_passes(layout, read_fractions, lift_params) if fusion == "paper" else []) + lowering_passes()
     if fusion in ("tvm", "paper"):
         passes += [relax.transform.FuseOps(), record_kernel_ops(provenance), relax.transform.FuseTIR()]
         if fusion == "paper":
@@ -274,5 +305,5 @@ def fusion_pipeline(fusion: str = "tvm", provenance: dict | None = None, layout:
 
 
 def fuse(mod: tvm.IRModule, fusion: str = "tvm", provenance: dict | None = None, layout: str = "bshd",
-         read_fractions: dict | None = None) -> tvm.IRModule:
-    return fusion_pipeline(fusion, provenance, layout, read_fractions)(mod)
+         read_fractions: dict | None = None, lift_params: bool = True) -> tvm.IRModule:
+    return fusion_pipeline(fusion, provenance, layout, read_fractions, lift_params)(mod)

@@ -1,8 +1,6 @@
 """Graph rewrites of the paper's fusion level, each a Relax module pass (IRModule -> IRModule) on ``main``.
 
-They run on the imported graph, before LegalizeOps, in this order:
-  canonicalize_bias_add - add(bias, matmul) -> add(matmul, bias): ONNX exporters write the bias first; the
-                          rewrites and fusion patterns below look for the contraction on the left.
+They run on the imported graph, before LegalizeOps:
   merge_qkv             - the Q, K and V projections (matmuls reading the same activations, each plus its
                           bias) become one contraction with packed [H, 3H] weights (X is read once, not three
                           times); each old projection is a slice of the packed output, which the attention
@@ -71,47 +69,22 @@ def _main_pass(name: str):
     return wrap
 
 
-# --- add(bias, matmul) -> add(matmul, bias) -------------------------------------------------------------
-
-
-def canonicalize_bias_add() -> tvm.transform.Pass:
-    """add(b, y) with y a contraction's output and b of lower rank becomes add(y, b) (addition commutes)."""
-
-    @_main_pass("CanonicalizeBiasAdd")
-    def rewrite(mod, func):
-        values = _bindings(func)
-
-        @relax.expr_functor.mutator
-        class Swap(relax.PyExprMutator):
-            def visit_call_(self, call):
-                call = super().visit_call_(call)
-                if call_op(call) != "relax.add":
-                    return call
-                a, b = call.args
-                if (call_op(values.get(b)) in ("relax.matmul", "relax.einsum") and _rank(a) is not None
-                        and _rank(b) is not None and _rank(a) < _rank(b)):
-                    return relax.op.add(b, a)
-                return call
-
-        return Swap(mod).visit_expr(func).body
-
-    return rewrite
-
-
 # --- merged QKV projection ------------------------------------------------------------------------------
 
 
 def _projection_groups(func: relax.Function) -> list[list[tuple]]:
     """Groups of >= 2 projections reading the same activations: [(matmul var, bias add var, W, b), ...].
-    A projection is matmul(x, W) with W a 2-D weight parameter, read only by add(matmul, b) with b a 1-D
-    weight parameter of W's output size."""
+    A projection is matmul(x, W) with W a 2-D weight parameter, read only by an add of it and b (either
+    order: ONNX exporters write Add(bias, MatMul)) with b a 1-D weight parameter of W's output size."""
     weights = set(func.params)
     users = _users(func)
     adds = {}
     for block in func.body.blocks:
         for b in block.bindings:
-            if call_op(b.value) == "relax.add" and isinstance(b.value.args[0], relax.Var):
-                adds.setdefault(b.value.args[0], []).append(b)
+            if call_op(b.value) == "relax.add":
+                for i, arg in enumerate(b.value.args):
+                    if isinstance(arg, relax.Var):
+                        adds.setdefault(arg, []).append((b, b.value.args[1 - i]))
     groups: dict = {}
     for block in func.body.blocks:
         for b in block.bindings:
@@ -120,8 +93,7 @@ def _projection_groups(func: relax.Function) -> list[list[tuple]]:
             x, w = b.value.args
             if w not in weights or _rank(w) != 2 or users.get(b.var, 0) != 1 or len(adds.get(b.var, [])) != 1:
                 continue
-            add = adds[b.var][0]
-            bias = add.value.args[1]
+            add, bias = adds[b.var][0]
             if bias not in weights or _rank(bias) != 1 or \
                     int(bias.ty.shape.values[0]) != int(w.ty.shape.values[1]):
                 continue

@@ -214,10 +214,12 @@ def _split_trainable(imported) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
 
 
 def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = None, shapes: dict | None = None,
-                   batch: int | None = None, seq: int | None = None, checkpoint=False, dropout: float = 0.0):
+                   batch: int | None = None, seq: int | None = None, checkpoint=False, dropout: float = 0.0,
+                   fusion: str = "tvm", layout: str = "bshd"):
     """The training stages before fusion: import with static shapes, split trainable weights, build the
-    training module (train_graph). Returns (imported model, IRModule, trainable weights by name, dropout
-    sites)."""
+    training module (train_graph). With fusion="paper" the paper's graph rewrites (merged QKV, transposes
+    folded into the attention contractions) come before Gradient, so the backward pass has them too.
+    Returns (imported model, IRModule, trainable weights by name, dropout sites)."""
     from onnx_import import import_onnx
     from onnx_import.importer import onnx_input_specs
     from onnx_import.loader import load_model_proto
@@ -246,6 +248,8 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
     for copy, weight in tied.items():
         log.info("%s: initializer %r is the transpose of %r (an exporter's copy of a tied weight): trained as one "
                  "tensor", source, copy, weight)
+    if fusion == "paper":
+        mod = fuse_stage.paper_graph_rewrites(layout)(mod)
     try:
         mod, sites = train_graph.training_module(mod, len(imported.inputs), loss, optimizer or AdamW(), checkpoint,
                                                  dropout=bool(dropout))
@@ -258,7 +262,7 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
 def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None = None, target="llvm",
                        shapes: dict | None = None, batch: int | None = None, seq: int | None = None,
                        checkpoint=False, dropout: float = 0.0, seed: int = 0, fusion: str = "tvm",
-                       tuning_logs="shipped") -> TrainStep:
+                       layout: str = "bshd", tuning_logs="shipped") -> TrainStep:
     """Compile a training step for an ONNX model (path or ModelProto): an encoder layer, a full BERT, or a
     BertForSequenceClassification / MaskedLM export. The loss applies to the model's first output.
 
@@ -270,6 +274,8 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     their activations (``TrainStep.memory`` gives relax's planned bytes and the peak of live tensors).
     dropout: probability, applied where HF BERT applies it (embeddings, attention probabilities, the dense
     branch of each residual) with keep-masks drawn per step from (seed, step): reproducible (tvmdm.dropout).
+    fusion / layout: as in tvmdm.compile ("paper": merged QKV and transpose-free attention in forward and
+    backward, the paper's pattern kernels).
     """
     from schedules.apply import kernels
     from tvmdm.build import _schedule
@@ -279,11 +285,12 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     timings = {}
     t0 = time.perf_counter()
     imported, mod, trainable, sites = training_graph(model, loss=loss, optimizer=optimizer, shapes=shapes,
-                                                     batch=batch, seq=seq, checkpoint=checkpoint, dropout=dropout)
+                                                     batch=batch, seq=seq, checkpoint=checkpoint, dropout=dropout,
+                                                     fusion=fusion, layout=layout)
     timings["graph"] = time.perf_counter() - t0
     tvm_target = make_target(target)
     t0 = time.perf_counter()
-    mod = fuse_stage.fuse(mod, fusion)
+    mod = fuse_stage.fuse(mod, fusion, layout=layout, lift_params=False)
     mod, tuned = _schedule(mod, tvm_target, tuning_logs)
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
