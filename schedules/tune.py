@@ -242,6 +242,13 @@ def _parse_shape(text):
     return parse(text)
 
 
+def _records_in(logs: str) -> int:
+    from schedules.database import RECORDS
+
+    path = os.path.join(logs, RECORDS)
+    return sum(1 for line in open(path) if line.strip()) if os.path.isfile(path) else 0
+
+
 def _write_meta(logs, model, target, shapes, fusion, trials: int, seconds: float, graph: str) -> None:
     """meta.json beside the database: what was tuned, for which target, and how long it took (cumulative)."""
     import json
@@ -258,7 +265,7 @@ def _write_meta(logs, model, target, shapes, fusion, trials: int, seconds: float
         "shapes": {k: list(v) for k, v in (shapes or {}).items()},
         "fusion": fusion,
         "graph": graph,
-        "trials": trials,
+        "trials": max(trials, _records_in(logs)),  # the whole log, whichever tasks this run tuned
         "tuning_seconds": round(previous.get("tuning_seconds", 0.0) + seconds, 1),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
     }
@@ -289,7 +296,13 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     return parser
 
 
+_INTERRUPTED: list[int] = []
+
+
 def _interrupt(signum, frame):
+    # Raised inside a Python callback that TVM's C++ task scheduler called, the exception comes back out of
+    # tune_tasks re-typed (RuntimeError): the flag says what it was.
+    _INTERRUPTED.append(signum)
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -299,11 +312,14 @@ def main(argv=None, args=None) -> int:
     args = args or build_parser().parse_args(argv)
     shapes = resolve_shapes(args.model, args.shape, args.batch, args.seq)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops as cleanly as Ctrl-C
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         tune(_model_arg(args.model), logs=args.logs, target=args.target, trials=args.trials, shapes=shapes,
              fusion=args.fusion, per_iter=args.per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key,
              name=args.model, train=args.train, only=args.only, layout=args.layout)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and not _INTERRUPTED:
+            raise
         # Every joined batch is already in the log; only the batches in flight are lost.
         print(f"\ninterrupted: the records measured so far are in {args.logs}; rerun the same command to "
               "continue", file=sys.stderr)

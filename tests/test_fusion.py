@@ -140,7 +140,10 @@ def test_tuner_tunes_the_paper_kernels_in_a_space_it_can_build(tiny_layer, tmp_p
 
     from schedules.tune import _drop_unschedulable, extract_tasks
 
+    from tvmdm import compat
+
     tasks, _ = extract_tasks(tiny_layer, "llvm", TINY_SHAPES, "paper", only=["sm", "bdrln"])
+    compat.reset_metaschedule_logging()  # as the tuner does: other tests' logging handlers break MetaSchedule's
     contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
         tasks, str(tmp_path), strategy="evolutionary", num_threads=1, seed=0)
     for ctx in contexts:

@@ -6,6 +6,7 @@ import pytest
 
 import tvmdm
 from schedules import shipped_logs
+from tvmdm.profile import call_sites
 
 SHAPES = {"hidden_states": [8, 128, 768], "attention_mask": [8, 128]}
 
@@ -49,3 +50,14 @@ def test_log_applies_to_a_users_hf_export(tmp_path):
     assert len(compiled.tuned_kernels) >= 10
     assert compiled.check(tvmdm.random_inputs(compiled, batch=8, seq=128)).ok
     assert os.path.basename(shipped_logs("llvm")[0]) == "bert-base-layer-llvm"
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_paper_fusion_kernels_are_tuned_in_each_layout(layout):
+    """tuning_logs/bert-base-layer-paper-llvm covers the paper fusion's own kernels (merged QKV, SM, context,
+    BDRLN, the layouts' transposes); the FFN kernel it shares with stock fusion takes the stock record."""
+    compiled = tvmdm.compile(tvmdm.default_model("bert-base-layer"), shapes=SHAPES, fusion="paper", layout=layout)
+    called = set(call_sites(compiled.mod))
+    assert called <= set(compiled.tuned_kernels), sorted(called - set(compiled.tuned_kernels))
+    result = compiled.check(tvmdm.random_inputs(compiled, batch=8, seq=128))
+    assert result.ok, str(result)
