@@ -277,13 +277,8 @@ def absorb_transposes(qkv: str = "bshd", ctx: str = "bshd") -> tvm.transform.Pas
                     return None
                 return super().visit_var_binding_(binding)
 
-        body = Absorb(mod).visit_expr(func).body
-        # the permute_dims that fed the einsums are dead now
-        return body
+        return Absorb(mod).visit_expr(func).body
 
-    return absorb_transposes_dce(rewrite)
-
-
-def absorb_transposes_dce(inner: tvm.transform.Pass) -> tvm.transform.Pass:
-    return tvm.transform.Sequential([inner, relax.transform.DeadCodeElimination()], name="tvmdm.AbsorbTransposes")
-
+    # the permute_dims that fed the einsums are dead once they are gone
+    return tvm.transform.Sequential([rewrite, relax.transform.DeadCodeElimination()],
+                                    name="tvmdm.AbsorbTransposes")
