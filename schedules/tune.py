@@ -16,16 +16,15 @@ import signal
 import sys
 import time
 
-from schedules.database import WORKLOADS, locked
+from schedules.database import RECORDS, WORKLOADS, locked
 
 
 def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False, only=None, layout="bshd"):
     """(tuning tasks, the compile target) for ``model`` as tvmdm.compile (or, with ``train``,
     tvmdm.compile_train_step with an MSE loss) would build it. ``only``: keep the tasks whose name contains
     one of these strings (e.g. ["matmul"]: the contractions, where most of the time goes)."""
-    from tvm.s_tir import meta_schedule as ms
-
     import tvm
+    from tvm.s_tir import meta_schedule as ms
 
     from onnx_import import import_onnx
     from tvmdm import fuse
@@ -181,8 +180,8 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
                           measure_callbacks=callbacks)
         finally:  # an interrupted run's trials and time count too
             stream.write("\n" + progress.summary() + "\n")
-            _write_meta(logs, name or model, tvm_target, shapes, fusion, sum(have) + progress.done,
-                        time.perf_counter() - progress.start, "training step" if train else "inference")
+            _write_meta(logs, name or model, tvm_target, shapes, fusion, time.perf_counter() - progress.start,
+                        "training step" if train else "inference")
         return {"tasks": names, "trials_run": progress.done, "trials_in_log": sum(have) + progress.done,
                 "best_ms": dict(zip(names, [b * 1e3 for b in progress.best]))}
 
@@ -243,13 +242,11 @@ def _parse_shape(text):
 
 
 def _records_in(logs: str) -> int:
-    from schedules.database import RECORDS
-
     path = os.path.join(logs, RECORDS)
     return sum(1 for line in open(path) if line.strip()) if os.path.isfile(path) else 0
 
 
-def _write_meta(logs, model, target, shapes, fusion, trials: int, seconds: float, graph: str) -> None:
+def _write_meta(logs, model, target, shapes, fusion, seconds: float, graph: str) -> None:
     """meta.json beside the database: what was tuned, for which target, and how long it took (cumulative)."""
     import json
     import platform
@@ -265,7 +262,7 @@ def _write_meta(logs, model, target, shapes, fusion, trials: int, seconds: float
         "shapes": {k: list(v) for k, v in (shapes or {}).items()},
         "fusion": fusion,
         "graph": graph,
-        "trials": max(trials, _records_in(logs)),  # the whole log, whichever tasks this run tuned
+        "trials": _records_in(logs),  # the whole log, whichever tasks this run tuned
         "tuning_seconds": round(previous.get("tuning_seconds", 0.0) + seconds, 1),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
     }

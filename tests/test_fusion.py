@@ -1,4 +1,4 @@
-"""The paper's fusion level: graph rewrites (bias order, merged QKV, transposes into the attention
+"""The paper's fusion level: graph rewrites (merged QKV, transposes into the attention
 contractions), pattern kernels (SM, BDRLN, context), attention layouts, weight packing at load; numerics
 against onnxruntime, kernel counts and bytes against stock TVM fusion."""
 import numpy as np

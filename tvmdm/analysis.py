@@ -177,7 +177,7 @@ def analyze(model, *, fusion: str = "tvm", shapes: dict | None = None, measure: 
         model, shapes=shapes, fusion=fusion, layout=layout, tuning_logs=tuning_logs if measure else None)
     target = compiled.target if measure else None
     return report_for(compiled.mod, compiled.kernel_ops, compiled.source, compiled.fusion, target,
-                      getattr(compiled, "read_fractions", None))
+                      compiled.read_fractions)
 
 
 def compare(reports: list[Report]) -> list[dict]:

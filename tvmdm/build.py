@@ -79,7 +79,8 @@ class Compiled(ModelRunner):
     """A compiled model. ``run`` executes it; ``check`` compares with onnxruntime; ``export`` writes an artifact."""
 
     def __init__(self, executable, imported, target, fusion: str, timings: dict[str, float],
-                 kernel_ops: dict[str, list[str]], tuned_kernels: list[str], mod):
+                 kernel_ops: dict[str, list[str]], tuned_kernels: list[str], mod,
+                 read_fractions: dict[str, dict[int, float]] | None = None):
         super().__init__(executable, inputs=imported.inputs, outputs=imported.outputs, params=imported.params,
                          target_kind=target.kind.name, index_bounds=imported.index_bounds)
         self.imported = imported
@@ -90,6 +91,8 @@ class Compiled(ModelRunner):
         self.kernels = sorted(kernel_ops)
         self.tuned_kernels = tuned_kernels  # those that got a schedule from the tuning logs
         self.mod = mod  # the fused, scheduled IRModule that was built (for analysis and profiling)
+        # kernel -> {input index: share of it read}: packed inputs a kernel reads only a slice of
+        self.read_fractions = dict(read_fractions or {})
 
     @property
     def source(self) -> str:
@@ -145,10 +148,7 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     timings["build"] = time.perf_counter() - t0
     log.info("compiled %s for %s: %d/%d kernels tuned; %s", imported.source, tvm_target.kind.name, len(tuned),
              len(kernel_ops), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    compiled = Compiled(executable, imported, tvm_target, fusion, timings, kernel_ops, tuned, mod)
-    compiled.layout = layout if fusion == "paper" else None
-    compiled.read_fractions = read_fractions  # kernel -> {input: share read}: packed inputs read in part
-    return compiled
+    return Compiled(executable, imported, tvm_target, fusion, timings, kernel_ops, tuned, mod, read_fractions)
 
 
 def _import(model, shapes, params):

@@ -18,7 +18,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from tvmdm.train_graph import call_op
+from tvmdm.graph_rewrites import call_op
 
 MODES = ("attention", "layer")
 

@@ -5,12 +5,13 @@ Levels (``fusion=`` in compile):
   "tvm"   - TVM's stock FuseOps/FuseTIR,
   "paper" - the paper's rules (substation's kernels) before stock fusion takes the rest: one merged QKV
             contraction (AIB: its biases ride in its epilogue), transposes folded into the attention
-            contractions (layout "bshd", see graph_rewrites), SM (scores contraction + 1/sqrt(d) scale + mask +
-            softmax in one kernel), the context contraction reading V in place, BDRLN (output contraction +
-            bias + residual + LayerNorm, twice) and BGD (contraction + bias + GELU, stock FuseOps' epilogue).
-Each level is a ``tvm.transform.Sequential`` of Relax passes (IRModule -> IRModule). Inside every fused
-kernel the element-wise blocks are inlined by the schedules (ours and MetaSchedule's AutoInline), so the
-intermediates of a group never reach memory as tensors.
+            contractions (layouts: see graph_rewrites), SM (scores contraction + 1/sqrt(d) scale + mask +
+            softmax in one kernel), the context contraction reading V in place, BDRLN (bias + residual +
+            LayerNorm after the output contractions, twice) and BGD (contraction + bias + GELU, stock
+            FuseOps' epilogue).
+Each level is a ``tvm.transform.Sequential`` of Relax passes (IRModule -> IRModule). Inside the paper's
+kernels the element-wise blocks are inlined by a TIR pass (inline_pattern_kernels); inside the others by the
+schedules (ours and MetaSchedule's AutoInline), so the intermediates of a group never reach memory as tensors.
 """
 from __future__ import annotations
 
@@ -135,41 +136,44 @@ def inline_pattern_kernels() -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="tvmdm.InlinePatternKernels")
     def run(mod, _ctx):
-        kernels = {pattern[0] for pattern in paper_patterns()}
         out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
         for gv, func in mod.functions_items():
-            if isinstance(func, tirx.PrimFunc) and f"tvmdm.{op_name(gv.name_hint)}" in kernels:
+            if isinstance(func, tirx.PrimFunc) and op_name(gv.name_hint) in PAPER_KERNELS:
                 out[gv] = _inline_producers(func)
         return out
 
     return run
 
 
-def paper_patterns() -> list[tuple]:
-    """(name, dataflow pattern) of the kernels the paper fuses beyond stock FuseOps, most specific first."""
-    # A pattern object used twice must match the same expression twice: one operand pattern per use.
-    operand = _attention_operand
+PAPER_KERNELS = ("sm", "attention_context", "bdrln")  # the pattern kernels, by the names they get
+
+
+def _sm_pattern(operand):
+    """SM: scores contraction (einsum or matmul of two ``operand()``s) [* or / a constant scale] [+ mask],
+    softmax. ``operand`` makes one operand pattern per use: a pattern object used twice must match the
+    same expression twice."""
     scores = (is_op("relax.einsum")(is_tuple([operand(), operand()]))
               | is_op("relax.matmul")(operand(), operand()))
     scaled = is_op("relax.multiply")(scores, is_const()) | is_op("relax.divide")(scores, is_const()) | scores
     masked = is_op("relax.add")(scaled, wildcard()) | scaled
-    softmax = is_op("relax.nn.softmax")(masked)
-    context = is_op("relax.einsum")(is_tuple([wildcard(), operand()]))
+    return is_op("relax.nn.softmax")(masked)
+
+
+def paper_patterns() -> list[tuple]:
+    """(name, dataflow pattern, annotations, check) of the kernels the paper fuses beyond stock FuseOps,
+    most specific first."""
+    context = is_op("relax.einsum")(is_tuple([wildcard(), _attention_operand()]))
     # BDRLN as substation has it: the contraction stays a kernel of its own (MetaSchedule 0.27 cannot tile a
     # contraction whose epilogue is a LayerNorm: its design space raises in reverse_compute_at).
     biased = is_op("relax.add")(wildcard(), wildcard())
     residual = is_op("relax.add")(biased, wildcard())
     bdrln = is_op("relax.nn.layer_norm")(residual, wildcard(), wildcard())
-    # Without the in-place slices: where the backward pass reads Q, K or V (a training step), the slices
-    # must stay their own values and only the contraction onwards fuses.
-    plain_scores = is_op("relax.einsum")(is_tuple([wildcard(), wildcard()])) | is_op("relax.matmul")(wildcard(),
-                                                                                                    wildcard())
-    plain_scaled = (is_op("relax.multiply")(plain_scores, is_const()) | is_op("relax.divide")(plain_scores, is_const())
-                    | plain_scores)
-    plain_softmax = is_op("relax.nn.softmax")(is_op("relax.add")(plain_scaled, wildcard()) | plain_scaled)
+    sm, attention_context, bdrln_name = (f"tvmdm.{k}" for k in PAPER_KERNELS)
+    # The second SM has plain operands: where the backward pass reads Q, K or V (a training step), the
+    # slices must stay their own values and only the contraction onwards fuses.
     return [(name, pattern, {}, _intermediates_stay_inside)
-            for name, pattern in (("tvmdm.sm", softmax), ("tvmdm.attention_context", context),
-                                  ("tvmdm.bdrln", bdrln), ("tvmdm.sm", plain_softmax))]
+            for name, pattern in ((sm, _sm_pattern(_attention_operand)), (attention_context, context),
+                                  (bdrln_name, bdrln), (sm, _sm_pattern(wildcard)))]
 
 
 def _intermediates_stay_inside(ctx) -> bool:

@@ -17,7 +17,8 @@ from tvm import relax
 
 
 def call_op(value) -> str | None:
-    """The op name of a Relax call binding's value ("relax.matmul"), None for anything else."""
+    """The op name of a Relax call binding's value ("relax.matmul"), None for anything else. Every graph pass
+    (these rewrites, fusion's analyses, training's checkpoint and dropout) finds its places by it."""
     return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else None
 
 
@@ -72,12 +73,11 @@ def _main_pass(name: str):
 # --- merged QKV projection ------------------------------------------------------------------------------
 
 
-def _projection_groups(func: relax.Function) -> list[list[tuple]]:
+def _projection_groups(func: relax.Function, users: dict) -> list[list[tuple]]:
     """Groups of >= 2 projections reading the same activations: [(matmul var, bias add var, W, b), ...].
     A projection is matmul(x, W) with W a 2-D weight parameter, read only by an add of it and b (either
     order: ONNX exporters write Add(bias, MatMul)) with b a 1-D weight parameter of W's output size."""
     weights = set(func.params)
-    users = _users(func)
     adds = {}
     for block in func.body.blocks:
         for b in block.bindings:
@@ -101,13 +101,13 @@ def _projection_groups(func: relax.Function) -> list[list[tuple]]:
     return [g for g in groups.values() if len(g) >= 2]
 
 
-def _head_split(func: relax.Function, group: list[tuple]) -> tuple | None:
+def _head_split(values: dict, users: dict, group: list[tuple]) -> tuple | None:
     """(reshape vars, heads, head_dim) when every projection's only reader is a reshape to [..., h, d] (the
     attention's head split), else None."""
-    values, users = _bindings(func), _users(func)
+    outputs = {add for _, add, _, _ in group}
     readers = {}
     for var, value in values.items():
-        if call_op(value) == "relax.reshape" and value.args[0] in {add for _, add, _, _ in group}:
+        if call_op(value) == "relax.reshape" and value.args[0] in outputs:
             readers[value.args[0]] = var
     if len(readers) != len(group) or any(users.get(add, 0) != 1 for _, add, _, _ in group):
         return None
@@ -126,10 +126,11 @@ def merge_qkv() -> tvm.transform.Pass:
 
     @_main_pass("MergeQKV")
     def rewrite(mod, func):
-        groups = _projection_groups(func)
+        values, users = _bindings(func), _users(func)
+        groups = _projection_groups(func, users)
         if not groups:
             return None
-        splits = {id(g): _head_split(func, g) for g in groups}
+        splits = {id(g): _head_split(values, users, g) for g in groups}
         first = {g[0][0]: g for g in groups}  # merged matmul is emitted where the first projection was
         dropped = {var for g in groups for mm, add, _, _ in g for var in (mm, add)}
         dropped |= {r for s in splits.values() if s for r in s[0]}

@@ -159,10 +159,10 @@ def _layout_costs(compiled, target) -> dict[str, float]:
     if "sm" not in names or "attention_context" not in names:
         raise ValueError(f"{compiled.source}: no attention (sm and attention_context kernels) to choose layouts for")
     sm_at, ctx_at = order.index(names["sm"]), order.index(names["attention_context"])
+    attention = {names["sm"]: "scores", names["attention_context"]: "context"}
     for i, kernel in enumerate(order):
-        ops = compiled.kernel_ops.get(kernel, [])
-        key = {names["sm"]: "scores", names["attention_context"]: "context"}.get(kernel)
-        if key is None and "transpose" in ops:
+        key = attention.get(kernel)
+        if key is None and "transpose" in compiled.kernel_ops.get(kernel, []):
             key = "qkv_transpose" if i < sm_at else "ctx_transpose" if i > ctx_at else None
         if key is not None and key not in costs:
             costs[key] = time_kernel(compiled.mod[kernel], target)
@@ -177,7 +177,6 @@ def choose_attention_layout(model, *, shapes: dict, tuning_logs="shipped", targe
     from tvmdm.analysis import report_for
     from tvmdm.build import compile
     from tvmdm.fuse import LAYOUTS, layout_name, parse_layout
-
     from tvmdm.inputs import random_inputs
 
     measured, moved, whole = {}, {}, {}

@@ -40,12 +40,6 @@ class AdamW:
         return [np.array(v, dtype=np.float32) for v in values]
 
 
-def call_op(value) -> str | None:
-    """The op name of a Relax call binding's value ("relax.matmul"), None for anything else. The graph
-    passes of training (checkpoint, dropout) find their places by it."""
-    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else None
-
-
 def _emit_body(bb: relax.BlockBuilder, func: relax.Function):
     """Re-emit ``func``'s bindings into the current dataflow block (its params must be in scope); returns its
     result expression. This inlines a function without a call, which Gradient could not see through."""
