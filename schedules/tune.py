@@ -18,6 +18,8 @@ import time
 
 from schedules.database import RECORDS, WORKLOADS, locked
 
+_INTERRUPTED: list[int] = []  # signals received by `tvmdm tune` (see _interrupt)
+
 
 def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False, only=None, layout="bshd"):
     """(tuning tasks, the compile target) for ``model`` as tvmdm.compile (or, with ``train``,
@@ -114,6 +116,8 @@ def _progress_callback(progress: Progress):
                 else:
                     secs.append(float("inf"))
             progress.update(task_id, secs)
+            if _INTERRUPTED:  # stop here, after this batch's records are committed (see _interrupt)
+                raise KeyboardInterrupt(f"signal {_INTERRUPTED[0]}")
 
     return ProgressCallback()
 
@@ -293,14 +297,11 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     return parser
 
 
-_INTERRUPTED: list[int] = []
-
-
 def _interrupt(signum, frame):
-    # Raised inside a Python callback that TVM's C++ task scheduler called, the exception comes back out of
-    # tune_tasks re-typed (RuntimeError): the flag says what it was.
+    # Only a flag: raised from here, the exception could land in a Python callback that C++ calls where it
+    # cannot propagate (the XGBoost cost model's) and the process dies in std::terminate. The measure
+    # callback raises at the end of the batch instead; it leaves tune_tasks re-typed (RuntimeError).
     _INTERRUPTED.append(signum)
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv=None, args=None) -> int:
@@ -314,8 +315,8 @@ def main(argv=None, args=None) -> int:
         tune(_model_arg(args.model), logs=args.logs, target=args.target, trials=args.trials, shapes=shapes,
              fusion=args.fusion, per_iter=args.per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key,
              name=args.model, train=args.train, only=args.only, layout=args.layout)
-    except (KeyboardInterrupt, RuntimeError) as err:
-        if isinstance(err, RuntimeError) and not _INTERRUPTED:
+    except (KeyboardInterrupt, Exception) as err:  # noqa: BLE001 - re-raised unless a signal caused it
+        if not isinstance(err, KeyboardInterrupt) and not _INTERRUPTED:
             raise
         # Every joined batch is already in the log; only the batches in flight are lost.
         print(f"\ninterrupted: the records measured so far are in {args.logs}; rerun the same command to "
