@@ -432,3 +432,25 @@ def test_fast_math_on_modules_with_composite_functions():
     ref = np.exp(ref - ref.max(-1, keepdims=True))
     ref /= ref.sum(-1, keepdims=True)
     np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(a)).numpy(), ref, atol=1e-6)
+
+
+def _threads_in_fresh_process(code: str) -> int:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != compat.NUM_THREADS_ENV}
+    out = subprocess.run([sys.executable, "-c", code + "\nimport tvm\nprint(tvm.get_global_func('runtime.NumThreads')())"],
+                         env=env, capture_output=True, text=True, timeout=120, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def test_tvm_thread_pool_uses_every_core():
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    # Stock: half the hardware threads on x86 (SMT assumed), so 1 thread on this 2-core VM.
+    assert _threads_in_fresh_process("") == max(1, os.cpu_count() // 2)
+    assert _threads_in_fresh_process("import tvmdm") == cores
+    # A user's own setting wins.
+    assert subprocess.run([sys.executable, "-c", "import tvmdm, tvm; print(tvm.get_global_func('runtime.NumThreads')())"],
+                          env={**os.environ, compat.NUM_THREADS_ENV: "1"}, capture_output=True, text=True,
+                          timeout=120, check=True).stdout.split()[-1] == "1"

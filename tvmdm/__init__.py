@@ -10,7 +10,11 @@ Public API:
         backward + AdamW compiled into one step; load_train_step(path) resumes an exported one;
         DataParallel(step) averages its gradients over a torch.distributed group
 """
-from tvmdm.analysis import Report, analyze
+from tvmdm import compat as _compat
+
+_compat.use_all_cores()  # before any TVM kernel runs: the thread pool reads it once
+
+from tvmdm.analysis import Report, analyze  # noqa: E402
 from tvmdm.artifact import load
 from tvmdm.build import CheckResult, Compiled, compile
 from tvmdm.inputs import random_inputs

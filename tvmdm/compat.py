@@ -6,9 +6,22 @@ Pinned: apache-tvm==0.27.0.post1, apache-tvm-ffi==0.1.14.post1 (0.1.15.post2 seg
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 _PATCHED = False
+NUM_THREADS_ENV = "TVM_NUM_THREADS"
+
+
+def use_all_cores() -> None:
+    """TVM's CPU thread pool defaults to half the hardware threads on x86 (it assumes two hyper-threads per core):
+    on a 2-core VM without SMT every kernel ran on ONE thread while onnxruntime and torch used two. The pool reads
+    TVM_NUM_THREADS when it is first made (lazily, at the first parallel kernel), so default it to the cores this
+    process may run on at tvmdm's import. A value the user set is kept."""
+    if NUM_THREADS_ENV not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ[NUM_THREADS_ENV] = str(cores)
 # The frontend's own converters, kept so the regression tests can show each bug is still there.
 ORIGINAL_CONVERTERS: dict = {}
 
