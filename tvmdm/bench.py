@@ -89,13 +89,17 @@ def matmul_flops(proto, shapes: dict) -> int | None:
     return total
 
 
-def _tvmdm_systems(proto, shapes, target, fusion_levels, untuned, tuning_logs) -> dict:
+def _tvmdm_systems(proto, shapes, target, fusion_levels, untuned, tuning_logs, precisions=()) -> dict:
     import tvmdm
 
     systems = {}
     for level in fusion_levels:
         name = "tvmdm" if level == fusion_levels[0] else f"tvmdm[fusion={level}]"
         systems[name] = tvmdm.compile(proto, target=target, shapes=shapes, fusion=level, tuning_logs=tuning_logs)
+    for precision in precisions:
+        if precision != "fp32":
+            systems[f"tvmdm[{precision}]"] = tvmdm.compile(proto, target=target, shapes=shapes, fusion=fusion_levels[0],
+                                                           tuning_logs=tuning_logs, precision=precision)
     if untuned:
         systems["tvmdm-untuned"] = tvmdm.compile(proto, target=target, shapes=shapes, fusion=fusion_levels[0],
                                                  tuning_logs=None)
@@ -173,15 +177,19 @@ def _torch_systems(model_name, proto, threads, torch_compile: bool, gpu: bool) -
     return systems, skipped
 
 
-def check_agreement(systems: dict, feeds: dict, reference: list, atol: float = 1e-3, rtol: float = 1e-3) -> dict:
-    """Max abs error of every system vs the reference outputs; AssertionError naming the first that disagrees."""
+def check_agreement(systems: dict, feeds: dict, reference: list, atol: float = 1e-3, rtol: float = 1e-3,
+                    relative: dict | None = None) -> dict:
+    """Max abs error of every system vs the reference outputs; AssertionError naming the first that disagrees.
+    ``relative``: system -> allowed max relative error (max |err| / max |ref|) instead of atol/rtol (bf16)."""
     from tvmdm.build import compare_outputs
 
     names = [f"output_{i}" for i in range(len(reference))]
+    relative = relative or {}
     errors = {}
     for name, run in systems.items():
         check = compare_outputs(names, [np.asarray(o) for o in run(feeds)], reference, atol=atol, rtol=rtol)
-        if not check.ok:
+        ok = max(o.max_rel_err for o in check.outputs) <= relative[name] if name in relative else check.ok
+        if not ok:
             raise AssertionError(f"{name} disagrees with onnxruntime before timing:\n{check}")
         errors[name] = check.max_abs_err
     return errors
@@ -192,7 +200,7 @@ def _runner_of(system) -> Runner:
 
 
 def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fusion_levels=("tvm",),
-                    untuned: bool = False, ort_optimized: bool = True, torch: bool = True,
+                    precisions=("fp32",), untuned: bool = False, ort_optimized: bool = True, torch: bool = True,
                     torch_compile: bool = True, min_runs: int = 5, max_seconds: float = 30.0,
                     tuning_logs="shipped", out=print) -> dict:
     """Build every system for one (batch, seq), check them against onnxruntime, time them. Returns a dict with
@@ -202,7 +210,7 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
 
     threads = num_cores()
     gpu = target.startswith("cuda")
-    compiled = _tvmdm_systems(proto, shapes, target, list(fusion_levels), untuned, tuning_logs)
+    compiled = _tvmdm_systems(proto, shapes, target, list(fusion_levels), untuned, tuning_logs, precisions)
     first = next(iter(compiled.values()))
     feeds = tvmdm.random_inputs(first, batch=1, seq=1, dims=_dims(first, shapes))
     ort_systems, skipped = _onnxruntime_systems(proto, model, threads, first.output_names, gpu, ort_optimized)
@@ -211,7 +219,10 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
     systems = {**ort_systems, **{k: _runner_of(v) for k, v in compiled.items()}, **torch_systems}
 
     reference = systems["onnxruntime"](feeds)
-    agreement = check_agreement(systems, feeds, reference)
+    from tvmdm.precision import BF16_MAX_REL_ERR
+
+    agreement = check_agreement(systems, feeds, reference,
+                                relative={name: BF16_MAX_REL_ERR for name in compiled if "bf16" in name})
     flops = matmul_flops(proto, shapes)
     timings = []
     for name, run in systems.items():
@@ -246,7 +257,7 @@ def format_table(timings: list[Timing], ratio: str = "vs_onnxruntime", label: st
 
 def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, target: str = "llvm",
               min_runs: int = 5, max_seconds: float = 30.0, untuned: bool = False, fusion_levels=("tvm",),
-              ort_optimized: bool = True, torch: bool = True, torch_compile: bool = True, kernels: bool = True,
+              precisions=("fp32",), ort_optimized: bool = True, torch: bool = True, torch_compile: bool = True, kernels: bool = True,
               scan: dict | None = None, json_path: str | None = None, plot_path: str | None = None,
               tuning_logs="shipped", out=print) -> dict:
     """The ``tvmdm bench`` command. ``scan``: {"seq": [...], "batch": [...]} sizes to sweep (None: no sweep)."""
@@ -257,7 +268,7 @@ def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, t
     shapes = resolve_shapes(model, None, batch, seq)
     if not shapes:
         raise TvmdmError(f"bench needs concrete sizes for {model}: give --batch and --seq")
-    options = dict(target=target, fusion_levels=fusion_levels, ort_optimized=ort_optimized, torch=torch,
+    options = dict(target=target, fusion_levels=fusion_levels, precisions=precisions, ort_optimized=ort_optimized, torch=torch,
                    torch_compile=torch_compile, min_runs=min_runs, max_seconds=max_seconds, tuning_logs=tuning_logs)
     main = compare_systems(model, proto, shapes, untuned=untuned, out=out, **options)
     first = next(iter(main["compiled"].values()))
@@ -276,6 +287,9 @@ def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, t
         "max_abs_err_vs_onnxruntime": main["agreement"], "skipped": main["skipped"],
         "tvmdm_over_onnxruntime": next(t.vs_onnxruntime for t in main["timings"] if t.system == "tvmdm"),
     }
+    for t in main["timings"]:
+        if t.system.startswith("tvmdm[") and t.system != "tvmdm":
+            result[f"{t.system}_over_onnxruntime"] = t.vs_onnxruntime
     if kernels and target == "llvm":
         result.update(_kernel_table(first, out))
     if scan:

@@ -12,6 +12,7 @@ from tvm import relax
 
 from tvmdm import fuse as fuse_stage
 from tvmdm.errors import ShapeError, TvmdmError
+from tvmdm.precision import check_precision, check_static_shapes
 from tvmdm.runtime import ModelRunner
 from tvmdm.target import make_target
 
@@ -80,12 +81,13 @@ class Compiled(ModelRunner):
 
     def __init__(self, executable, imported, target, fusion: str, timings: dict[str, float],
                  kernel_ops: dict[str, list[str]], tuned_kernels: list[str], mod,
-                 read_fractions: dict[str, dict[int, float]] | None = None):
+                 read_fractions: dict[str, dict[int, float]] | None = None, precision: str = "fp32"):
         super().__init__(executable, inputs=imported.inputs, outputs=imported.outputs, params=imported.params,
                          target_kind=target.kind.name, index_bounds=imported.index_bounds)
         self.imported = imported
         self.target = target
         self.fusion = fusion
+        self.precision = precision
         self.timings = timings
         self.kernel_ops = kernel_ops  # every TIR kernel of the module -> the graph ops it covers
         self.kernels = sorted(kernel_ops)
@@ -114,7 +116,7 @@ class Compiled(ModelRunner):
 
 
 def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="shipped", fusion: str = "tvm",
-            layout: str = "bshd", params: dict | None = None, **options) -> Compiled:
+            layout: str = "bshd", precision: str = "fp32", params: dict | None = None, **options) -> Compiled:
     """Compile an ONNX model (path or ModelProto) or a Relax IRModule for ``target``.
 
     IRModule: ``main`` takes the inputs then the weights; give the weights as ``params`` (name -> array) or
@@ -123,23 +125,28 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     fusion: "paper" (the paper's fusion rules, then stock FuseOps), "tvm" (stock FuseOps) or "none".
     layout: the attention's Q/K/V/context layout under fusion="paper": "bshd" (read and written where the
     projections put them, no transposes) or "bhsd" (head-major copies, as the ONNX graph writes).
+    precision: "fp32", or "bf16": the weight contractions read bf16 operands with fp32 accumulation (AVX512-BF16
+    on CPU; needs static shapes), everything else stays fp32; see tvmdm.precision.
     tuning_logs: "shipped" (the logs in tuning_logs/ tuned for this target kind), a log directory or a list
     of them, or None. Kernels without a record get our default schedule. Tuned records are for static
     shapes: bind ``shapes`` to the tuned (batch, seq) to use them.
     """
     if options:
         raise TypeError(f"compile() got unknown options {sorted(options)}")
+    check_precision(precision)
     from schedules.apply import kernels
 
     timings = {}
     t0 = time.perf_counter()
     imported = _import(model, shapes, params)
+    if precision != "fp32":
+        check_static_shapes(imported.mod)
     timings["import"] = time.perf_counter() - t0
     tvm_target = make_target(target)
     t0 = time.perf_counter()
     provenance: dict[str, list[str]] = {}
     read_fractions: dict[str, dict[int, float]] = {}
-    mod = fuse_stage.fuse(imported.mod, fusion, provenance, layout, read_fractions)
+    mod = fuse_stage.fuse(imported.mod, fusion, provenance, layout, read_fractions, precision=precision)
     mod, tuned = _schedule(mod, tvm_target, tuning_logs)
     kernel_ops = {k: provenance.get(k, [fuse_stage.op_name(k)]) for k in kernels(mod)}
     timings["fuse+schedule"] = time.perf_counter() - t0
@@ -148,7 +155,8 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     timings["build"] = time.perf_counter() - t0
     log.info("compiled %s for %s: %d/%d kernels tuned; %s", imported.source, tvm_target.kind.name, len(tuned),
              len(kernel_ops), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    return Compiled(executable, imported, tvm_target, fusion, timings, kernel_ops, tuned, mod, read_fractions)
+    return Compiled(executable, imported, tvm_target, fusion, timings, kernel_ops, tuned, mod, read_fractions,
+                    precision)
 
 
 def _import(model, shapes, params):
@@ -166,10 +174,13 @@ def _import(model, shapes, params):
 def _schedule(mod, target, tuning_logs) -> tuple[tvm.IRModule, list[str]]:
     """Tuned records where the logs have them, our default schedules for every other kernel."""
     from schedules import apply_default_schedules, apply_tuning_logs, shipped_logs
+    from schedules.bf16 import apply_bf16_schedules
 
     if tuning_logs == "shipped":
         tuning_logs = shipped_logs(target.kind.name)
     tuned = []
+    if target.kind.name == "llvm":
+        mod, _ = apply_bf16_schedules(mod, target)  # hand-written micro-kernel: no log needed
     if tuning_logs:
         mod, tuned = apply_tuning_logs(mod, target, tuning_logs)
     return apply_default_schedules(mod, target), tuned

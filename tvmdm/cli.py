@@ -14,6 +14,7 @@ import numpy as np
 
 from tvmdm.errors import TvmdmError
 from tvmdm.fuse import FUSION_LEVELS
+from tvmdm.precision import PRECISIONS
 
 ARTIFACT_SUFFIX = ".tvmdm"
 
@@ -64,7 +65,7 @@ def _compile(args):
     import tvmdm
 
     return tvmdm.compile(_model_arg(args.model), target=args.target, shapes=_shapes(args), fusion=args.fusion,
-                         layout=args.layout)
+                         layout=args.layout, precision=args.precision)
 
 
 def cmd_compile(args) -> int:
@@ -143,7 +144,7 @@ def cmd_bench(args) -> int:
         scan = {"seq": args.scan_seq or [64, 128, 256, 512], "batch": args.scan_batch or [1, 8, 32]}
     run_bench(model, batch=args.batch, seq=args.seq, target=args.target, min_runs=args.min_runs,
               max_seconds=args.max_seconds, untuned=args.untuned, fusion_levels=args.fusion.split(","),
-              ort_optimized=not args.no_ort_opt, torch=not args.no_torch, torch_compile=not args.no_torch_compile,
+              precisions=args.precision.split(","), ort_optimized=not args.no_ort_opt, torch=not args.no_torch, torch_compile=not args.no_torch_compile,
               kernels=not args.no_kernels, scan=scan, json_path=args.json, plot_path=args.plot)
     return 0
 
@@ -198,6 +199,8 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="bind an input's shape (repeatable); unbound dims stay symbolic")
     p.add_argument("--fusion", default="tvm", choices=list(FUSION_LEVELS), help="fusion level (default: tvm)")
     p.add_argument("--layout", default="bshd", help="attention layout under --fusion paper (default: bshd)")
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                   help="bf16: weight contractions in bf16 with fp32 accumulation (needs static shapes)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="llvm", help="llvm, or cuda on a machine with a GPU")
     p.add_argument("--fusion", default="tvm", help="comma-separated fusion levels to time (first is 'tvmdm')")
     p.add_argument("--untuned", action="store_true", help="also time tvmdm without tuning logs")
+    p.add_argument("--precision", default="fp32", help="comma-separated precisions; each besides fp32 adds a "
+                   "system (tvmdm[bf16]: bf16 contractions, checked to 1e-2 relative error)")
     p.add_argument("--train", action="store_true", help="time one training step (forward, loss, backward, AdamW) "
                    "against PyTorch eager and torch.compile instead of inference")
     p.add_argument("--min-runs", type=int, default=5, help="timed runs per round; rounds go on until the median "

@@ -24,6 +24,7 @@ from tvm.relax.dpl import is_const, is_op, is_tuple, wildcard
 from tvm.s_tir import schedule as sch_mod
 
 from tvmdm import compat, graph_rewrites
+from tvmdm.precision import precision_passes
 
 FUSION_LEVELS = ("none", "tvm", "paper")
 # Attention layouts (graph_rewrites.absorb_transposes): "bshd" reads Q/K/V and writes the context where the
@@ -208,8 +209,10 @@ def name_paper_kernels() -> tvm.transform.Pass:
                 renames[gv] = name
         if not renames:
             return mod
+        # Every function gets its GlobalVar from the new builder (PrimFuncs too: main's calls must point at
+        # the module's own GlobalVars), then the Relax functions' references are remapped.
         bb = relax.BlockBuilder()
-        new_gvs = {gv: bb.add_func(mod[gv], name) for gv, name in renames.items()}
+        new_gvs = {gv: bb.add_func(func, renames.get(gv, gv.name_hint)) for gv, func in mod.functions_items()}
 
         @relax.expr_functor.mutator
         class Rename(relax.PyExprMutator):
@@ -217,11 +220,8 @@ def name_paper_kernels() -> tvm.transform.Pass:
                 return new_gvs.get(gv, gv)
 
         for gv, func in mod.functions_items():
-            if gv in renames:
-                continue
             if isinstance(func, relax.Function):
-                func = Rename().visit_expr(func)
-            bb.add_func(func, gv.name_hint)
+                bb.update_func(new_gvs[gv], Rename().visit_expr(func))
         return bb.get()
 
     return run
@@ -279,24 +279,30 @@ def paper_graph_rewrites(layout: str = "bshd") -> tvm.transform.Pass:
                                     name="tvmdm.PaperGraphRewrites")
 
 
-def paper_passes(layout: str = "bshd", read_fractions: dict | None = None, lift_params: bool = True) -> list:
-    """Graph rewrites and pattern fusion of the "paper" level, before lowering. ``lift_params``: move
-    weight-only work (the packed QKV weights) to main_transform_params, run once at load (inference only:
-    a training step changes its weights every step)."""
-    lift = [relax.transform.LiftTransformParams()] if lift_params else []
-    return [paper_graph_rewrites(layout)] + lift + [
-        relax.transform.FuseOpsByPattern(paper_patterns(), bind_constants=False, annotate_codegen=False),
-        name_paper_kernels(), record_read_fractions({} if read_fractions is None else read_fractions)]
+def graph_passes(fusion: str, layout: str = "bshd", read_fractions: dict | None = None, lift_params: bool = True,
+                 precision: str = "fp32") -> list:
+    """Graph-level passes before lowering: the paper's rewrites, the precision rewrite (bf16 contractions see the
+    merged QKV), weight-only work lifted to main_transform_params, then the paper's pattern fusion.
+    ``lift_params``: lift (inference only: a training step changes its weights every step)."""
+    passes = [paper_graph_rewrites(layout)] if fusion == "paper" else []
+    passes += precision_passes(precision)
+    if lift_params and (fusion == "paper" or precision != "fp32"):
+        passes.append(relax.transform.LiftTransformParams())
+    if fusion == "paper":
+        passes += [relax.transform.FuseOpsByPattern(paper_patterns(), bind_constants=False, annotate_codegen=False),
+                   name_paper_kernels(), record_read_fractions({} if read_fractions is None else read_fractions)]
+    return passes
 
 
 def fusion_pipeline(fusion: str = "tvm", provenance: dict | None = None, layout: str = "bshd",
-                    read_fractions: dict | None = None, lift_params: bool = True) -> tvm.transform.Pass:
+                    read_fractions: dict | None = None, lift_params: bool = True,
+                    precision: str = "fp32") -> tvm.transform.Pass:
     """The Sequential pass for a fusion level; ``provenance`` (a dict) receives kernel -> ops,
     ``read_fractions`` kernel -> {input index: share of it read} (see record_read_fractions)."""
     if fusion not in FUSION_LEVELS:
         raise ValueError(f"unknown fusion level {fusion!r}; choose one of {list(FUSION_LEVELS)}")
     provenance = {} if provenance is None else provenance
-    passes = (paper_passes(layout, read_fractions, lift_params) if fusion == "paper" else []) + lowering_passes()
+    passes = graph_passes(fusion, layout, read_fractions, lift_params, precision) + lowering_passes()
     if fusion in ("tvm", "paper"):
         passes += [relax.transform.FuseOps(), record_kernel_ops(provenance), relax.transform.FuseTIR()]
         if fusion == "paper":
@@ -309,5 +315,5 @@ def fusion_pipeline(fusion: str = "tvm", provenance: dict | None = None, layout:
 
 
 def fuse(mod: tvm.IRModule, fusion: str = "tvm", provenance: dict | None = None, layout: str = "bshd",
-         read_fractions: dict | None = None, lift_params: bool = True) -> tvm.IRModule:
-    return fusion_pipeline(fusion, provenance, layout, read_fractions, lift_params)(mod)
+         read_fractions: dict | None = None, lift_params: bool = True, precision: str = "fp32") -> tvm.IRModule:
+    return fusion_pipeline(fusion, provenance, layout, read_fractions, lift_params, precision)(mod)

@@ -43,10 +43,16 @@ def call_sites(mod: tvm.IRModule, entry: str = "main") -> dict[str, int]:
     return counts
 
 
+FLOPS_ATTR = "tvmdm.flops"  # set by schedules that tensorize (estimate_tir_flops cannot read vector intrinsics)
+
+
 def kernel_flops(mod: tvm.IRModule, name: str) -> int:
     from tvm.s_tir.analysis import estimate_tir_flops
 
-    return int(estimate_tir_flops(tvm.IRModule({name: mod[name]})))
+    func = mod[name]
+    if func.attrs and FLOPS_ATTR in func.attrs:
+        return int(func.attrs[FLOPS_ATTR])
+    return int(estimate_tir_flops(tvm.IRModule({name: func})))
 
 
 def _random_args(func, device):

@@ -1,0 +1,162 @@
+"""The bf16 contraction's schedule on CPUs with AVX512-BF16: a register-tiled micro-kernel on vdpbf16ps.
+
+One vdpbf16ps multiplies 16 pairs of bf16 values and adds each pair's sum to one of 16 fp32 accumulators: the
+packed weight tile [16, 2] (tvmdm.precision's layout) against one pair of the activation row, broadcast. The
+micro-kernel keeps ROWS x (16 * VECTORS) accumulators in registers over a block of K, and the tiles run in
+parallel over the cores. Epilogues fused after the contraction (bias, GELU, residual) are computed per tile
+from the accumulators, in fp32.
+
+The instruction is reached through compat.DPBF16PS_LLVM, a function in LLVM IR linked into the module (the
+``pragma_import_llvm`` annotation) and inlined by LLVM: TVM 0.27 cannot emit it directly (see compat). The TIR
+keeps the bf16 bits in uint16 / int32 vectors; the loop body becomes one vdpbf16ps.
+"""
+from __future__ import annotations
+
+import warnings
+
+import tvm
+from tvm import tirx
+from tvm.s_tir import Schedule, TensorIntrin
+from tvm.script import tirx as T
+
+from tvm.s_tir.analysis import estimate_tir_flops
+
+from tvmdm import compat
+from tvmdm.precision import GEMM_BLOCK, LANES, PAIR, bf16_value
+from tvmdm.profile import FLOPS_ATTR
+
+INTRIN = "tvmdm_dot_16x2_bf16"
+CPU_FEATURE = "avx512bf16"  # LLVM's name; /proc/cpuinfo says avx512_bf16
+K_BLOCK = 256  # accumulate over this much of K before moving on (the tile's operands stay in L1/L2)
+
+
+
+@T.prim_func(s_tir=True)
+def _dot_desc(a: T.Buffer((PAIR,), "uint16", offset_factor=1), w: T.Buffer((LANES, PAIR), "uint16", offset_factor=1),
+              c: T.Buffer((LANES,), "float32", offset_factor=1, scope="local")):
+    with T.sblock("root"):
+        T.reads(c[0:LANES], a[0:PAIR], w[0:LANES, 0:PAIR])
+        T.writes(c[0:LANES])
+        for i, k in T.grid(LANES, PAIR):
+            with T.sblock("update"):
+                vi, vk = T.axis.remap("SR", [i, k])
+                c[vi] = c[vi] + bf16_value(a[vk]) * bf16_value(w[vi, vk])
+
+
+@T.prim_func(s_tir=True)
+def _dot_impl(a: T.Buffer((PAIR,), "uint16", offset_factor=1), w: T.Buffer((LANES, PAIR), "uint16", offset_factor=1),
+              c: T.Buffer((LANES,), "float32", offset_factor=1, scope="local")):
+    with T.sblock("root"):
+        T.reads(c[0:LANES], a[0:PAIR], w[0:LANES, 0:PAIR])
+        T.writes(c[0:LANES])
+        pair = T.reinterpret(a.vload([0], "uint16x2"), dtype="int32")
+        c[T.ramp(T.int32(0), 1, LANES)] = T.call_pure_extern(
+            "float32x16", compat.DPBF16PS_FUNCTION, c.vload([0], "float32x16"), T.broadcast(pair, LANES),
+            T.reinterpret(w.vload([0, 0], "uint16x32"), dtype="int32x16"))
+
+
+TensorIntrin.register(INTRIN, _dot_desc, _dot_impl, override=True)
+
+
+def has_bf16_dot(target: tvm.target.Target) -> bool:
+    """Whether ``target``'s CPU (its mcpu, as LLVM knows it) has the AVX512-BF16 dot product."""
+    from tvm.target import codegen
+
+    return target.kind.name == "llvm" and bool(codegen.target_has_features(CPU_FEATURE, target))
+
+
+def _divisor(n: int, choices) -> int:
+    return next(c for c in choices if n % c == 0)
+
+
+def schedule_bf16_gemm(func: tirx.PrimFunc, rows: int | None = None, vectors: int | None = None) -> tirx.PrimFunc:
+    """The micro-kernel schedule for a kernel holding a ``bf16_gemm`` block (and fused epilogues).
+    ``rows`` x ``vectors`` x 16 accumulators per tile (default: 4 x 4, or what divides the shape)."""
+    sch = Schedule(func)
+    gemm = sch.get_sblock(GEMM_BLOCK)
+    _inline_epilogue_intermediates(sch, gemm)
+    # Tiles of `rows` consecutive rows of the last leading axis (fusing the leading axes first would give
+    # bindings that tensorize cannot blockize).
+    *outer, m, n, k = sch.get_loops(gemm)
+    m_extent, n_extent, k_extent = (int(sch.get(x).extent) for x in (m, n, k))
+    rows = rows or _divisor(m_extent, (4, 8, 6, 2, 1))
+    vectors = vectors or _divisor(n_extent // LANES, (4, 3, 2, 1))
+    k_block = K_BLOCK if k_extent % K_BLOCK == 0 else k_extent
+    mo, mi = sch.split(m, [None, rows])
+    no, nv, ni = sch.split(n, [None, vectors, LANES])
+    ko, kp, ki = sch.split(k, [None, k_block // PAIR, PAIR])
+    sch.reorder(no, *outer, mo, ko, kp, mi, nv, ni, ki)
+    tile = sch.fuse(no, *outer, mo)
+    sch.parallel(tile)
+    acc = sch.cache_write(gemm, 0, "local")
+    sch.reverse_compute_at(acc, tile)
+    init = sch.decompose_reduction(gemm, ko)
+    sch.unroll(mi)
+    sch.unroll(nv)
+    sch.tensorize(ni, INTRIN)
+    sch.annotate(tile, "pragma_import_llvm", compat.DPBF16PS_LLVM)
+    sch.vectorize(sch.get_loops(init)[-1])
+    _epilogue_into_tile(sch, acc, tile)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _inline_epilogue_intermediates(sch, gemm) -> None:
+    """Inline the element-wise blocks between the contraction and the kernel's outputs (bias add, GELU's
+    pieces) into their readers: one epilogue expression per output."""
+    root = sch.get_sblock("root")
+    blocks = sch.get_child_blocks(root)
+    gemm_name = sch.get(gemm).name_hint
+    for block in blocks[:-1]:
+        if sch.get(block).name_hint == gemm_name:
+            continue
+        try:
+            sch.compute_inline(block)
+        except Exception:  # noqa: BLE001 - an output or a reduction: it stays a block
+            pass
+
+
+def _epilogue_into_tile(sch, acc, tile) -> None:
+    """Compute the epilogue straight from the accumulators, per tile, vectorized along the 16 lanes."""
+    consumers = sch.get_consumers(acc)
+    target = acc
+    for consumer in consumers:
+        try:
+            sch.reverse_compute_inline(consumer)
+        except Exception:  # noqa: BLE001 - not inlinable: it runs per tile after the write-back
+            sch.reverse_compute_at(consumer, tile)
+            target = consumer
+    for block in {acc, target}:
+        loops = sch.get_loops(block)
+        inner = loops[-1]
+        if int(sch.get(inner).extent) % LANES == 0:
+            _, lanes = sch.split(inner, [None, LANES])
+            sch.vectorize(lanes)
+
+
+def apply_bf16_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[tvm.IRModule, list[str]]:
+    """Schedule every kernel with a bf16 contraction block; returns the module and their names. On a CPU
+    without AVX512-BF16 nothing is done here: the default schedule computes the same numbers in fp32 FMAs
+    (bf16 values are exact in fp32), slower (a warning says so)."""
+    done = []
+    if not has_bf16_dot(target):
+        if any(isinstance(f, tirx.PrimFunc) and _has_block(f, GEMM_BLOCK) for f in mod.functions.values()):
+            warnings.warn(f"target {target} has no AVX512-BF16 dot product: the bf16 contractions run on a "
+                          "generic fp32 schedule (same results, slower)", stacklevel=3)
+        return mod, done
+    for gv, func in list(mod.functions.items()):
+        if not isinstance(func, tirx.PrimFunc) or (func.attrs and func.attrs.get("tirx.is_scheduled", False)):
+            continue
+        if not _has_block(func, GEMM_BLOCK):
+            continue
+        flops = int(estimate_tir_flops(tvm.IRModule({gv: func})))
+        mod[gv] = schedule_bf16_gemm(func.with_attr("global_symbol", gv.name_hint)).with_attr(FLOPS_ATTR, flops)
+        done.append(gv.name_hint)
+    return mod, done
+
+
+def _has_block(func: tirx.PrimFunc, name: str) -> bool:
+    try:
+        Schedule(func).get_sblock(name)
+        return True
+    except Exception:  # noqa: BLE001 - get_sblock raises when there is no such block
+        return False

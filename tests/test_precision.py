@@ -1,0 +1,153 @@
+"""precision="bf16": weight contractions on bf16 operands with fp32 accumulation (AVX512-BF16), checked against
+onnxruntime fp32 within the documented tolerance, and the generated code really uses vdpbf16ps."""
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+import hf_exports
+import tvmdm
+from schedules.bf16 import has_bf16_dot, schedule_bf16_gemm
+from tvmdm.machine import cpu_info
+from tvmdm.profile import call_sites
+from tvmdm.precision import BF16_MAX_REL_ERR, bf16_contractions, gemm_func
+from tvmdm.target import make_target
+
+TINY = {"hidden_states": [2, 8, 32], "attention_mask": [2, 8]}
+HAS_BF16 = "avx512_bf16" in cpu_info()["flags"]
+needs_bf16_cpu = pytest.mark.skipif(not HAS_BF16, reason="this CPU has no AVX512-BF16")
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """Round to bf16 (nearest even) and back to fp32, as to_bf16 / pack_bf16 do."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def _max_rel_err(compiled, inputs) -> float:
+    got, ref = compiled.run(inputs), compiled.reference(inputs)
+    return max(float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(got, ref))
+
+
+def _asm(compiled) -> str:
+    return "".join(m.inspect_source("asm") for m in compiled._executable.mod.imports)
+
+
+@pytest.mark.parametrize("fusion", ["tvm", "paper"])
+def test_bf16_layer_within_tolerance_of_onnxruntime_fp32(tiny_layer, fusion):
+    compiled = tvmdm.compile(tiny_layer, shapes=TINY, fusion=fusion, precision="bf16")
+    assert compiled.precision == "bf16"
+    # All four weight contractions (QKV, or Q/K/V; output; FFN up and down) are bf16 kernels.
+    gemms = sum(n for k, n in call_sites(compiled.mod).items() if "bf16_gemm" in k)
+    assert gemms == (4 if fusion == "paper" else 6), call_sites(compiled.mod)
+    inputs = tvmdm.random_inputs(compiled, batch=2, seq=8)
+    err = _max_rel_err(compiled, inputs)
+    assert 0 < err <= BF16_MAX_REL_ERR  # > 0: the contractions really rounded to bf16
+    fp32 = tvmdm.compile(tiny_layer, shapes=TINY, fusion=fusion)
+    assert _max_rel_err(fp32, inputs) < err / 10
+
+
+@needs_bf16_cpu
+def test_bf16_kernels_use_the_avx512_bf16_dot_product(tiny_layer):
+    compiled = tvmdm.compile(tiny_layer, shapes=TINY, precision="bf16")
+    assert "vdpbf16ps" in _asm(compiled)
+    assert "vdpbf16ps" not in _asm(tvmdm.compile(tiny_layer, shapes=TINY))
+
+
+def test_the_pass_converts_each_activation_once_and_packs_weights_at_load(tiny_layer):
+    from onnx_import import import_onnx
+
+    mod = import_onnx(tiny_layer, shapes=TINY).mod
+    out = tvm.transform.Sequential([bf16_contractions(), relax.transform.LiftTransformParams()])(mod)
+    calls = {"matmul": 0}
+
+    def count(expr):
+        if isinstance(expr, relax.Call):
+            if isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.matmul":
+                calls["matmul"] += 1
+            elif isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.call_tir":
+                name = next(n for n in ("bf16_gemm", "to_bf16", "other") if expr.args[0].name_hint.startswith(n)
+                            or n == "other")
+                calls[name] = calls.get(name, 0) + 1
+
+    relax.analysis.post_order_visit(out["main"].body, count)
+    # Q, K, V, out, FFN up, FFN down in bf16; the attention's two batched contractions stay fp32 matmuls;
+    # 4 activations converted (layer input, context, first LayerNorm, GELU), none twice.
+    assert calls == {"matmul": 2, "bf16_gemm": 6, "to_bf16": 4}, calls
+    packed = {"n": 0}
+    relax.analysis.post_order_visit(out["main_transform_params"].body, lambda e: packed.__setitem__(
+        "n", packed["n"] + (isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and
+                            e.op.name == "relax.call_tir" and e.args[0].name_hint.startswith("pack_bf16"))))
+    assert packed["n"] == 6
+
+
+def test_transposed_weights_gemm_and_odd_rows():
+    """ONNX Gemm with transB=1 reads W^T; 3 x 5 rows is not a multiple of the 4-row tile."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 32)).astype(np.float32)
+    b = rng.standard_normal(48).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)], "gemm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [15, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [15, 48])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    compiled = tvmdm.compile(model, precision="bf16")
+    assert any("bf16_gemm" in k for k in compiled.kernels), compiled.kernels
+    x = rng.standard_normal((15, 32)).astype(np.float32)
+    got = compiled.run({"x": x})[0]
+    expected = _bf16(x).astype(np.float64) @ _bf16(w).T.astype(np.float64) + b
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)  # exact products, fp32 sums
+
+
+@needs_bf16_cpu
+@pytest.mark.parametrize("lead,k,n,rows,vectors", [((2, 12), 64, 48, None, None), ((6,), 512, 32, 2, 2)])
+def test_micro_kernel_matches_numpy(lead, k, n, rows, vectors):
+    func = schedule_bf16_gemm(gemm_func(lead, k, n).with_attr("global_symbol", "main"), rows, vectors)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=make_target("llvm"))
+    rng = np.random.default_rng(1)
+    a = _bf16(rng.standard_normal(lead + (k,)).astype(np.float32))
+    w = _bf16(rng.standard_normal((k, n)).astype(np.float32))
+    bits = lambda x: (x.view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731 - exact: x is bf16 already
+    packed = bits(w).reshape(k // 2, 2, n // 16, 16).transpose(2, 0, 3, 1).copy()
+    out = tvm.runtime.tensor(np.zeros(lead + (n,), np.float32))
+    lib["main"](tvm.runtime.tensor(bits(a)), tvm.runtime.tensor(packed), out)
+    np.testing.assert_allclose(out.numpy(), a.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-4)
+
+
+def test_cpu_without_bf16_dot_warns_and_computes_the_same(tiny_layer):
+    target = {"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2}
+    assert not has_bf16_dot(make_target(target))
+    with pytest.warns(UserWarning, match="no AVX512-BF16"):
+        slow = tvmdm.compile(tiny_layer, shapes=TINY, precision="bf16", target=target, tuning_logs=None)
+    assert "vdpbf16ps" not in _asm(slow)
+    inputs = tvmdm.random_inputs(slow, batch=2, seq=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = tvmdm.compile(tiny_layer, shapes=TINY, precision="bf16")
+    np.testing.assert_allclose(slow.run(inputs)[0], fast.run(inputs)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_bad_precision_and_symbolic_shapes_are_refused(tiny_layer):
+    with pytest.raises(ValueError, match="unknown precision 'int4'"):
+        tvmdm.compile(tiny_layer, precision="int4")
+    with pytest.raises(tvmdm.ShapeError, match="precision='bf16' needs static shapes.*shapes="):
+        tvmdm.compile(tiny_layer, precision="bf16")
+
+
+def test_bf16_artifact_round_trip(tmp_path, tiny_layer):
+    compiled = tvmdm.compile(tiny_layer, shapes=TINY, precision="bf16")
+    inputs = tvmdm.random_inputs(compiled, batch=2, seq=8)
+    loaded = tvmdm.load(compiled.export(tmp_path / "bf16.tvmdm"))
+    np.testing.assert_array_equal(loaded.run(inputs)[0], compiled.run(inputs)[0])
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert", "roberta-seqcls"])
+def test_real_hf_exports_in_bf16(hf_export, family):
+    path = hf_export(family, dynamo=False, dynamic=False, opset=14)
+    compiled = tvmdm.compile(path, precision="bf16")
+    assert any("bf16_gemm" in k for k in compiled.kernels)
+    assert _max_rel_err(compiled, hf_exports.sample_inputs(family)) <= BF16_MAX_REL_ERR
