@@ -154,6 +154,11 @@ def apply_bf16_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[
     return mod, done
 
 
+def hand_scheduled(func: tirx.PrimFunc, target: tvm.target.Target) -> bool:
+    """Whether apply_bf16_schedules takes this kernel (so tuning it would be wasted)."""
+    return has_bf16_dot(target) and _has_block(func, GEMM_BLOCK)
+
+
 def _has_block(func: tirx.PrimFunc, name: str) -> bool:
     try:
         Schedule(func).get_sblock(name)

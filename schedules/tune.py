@@ -21,10 +21,12 @@ from schedules.database import RECORDS, WORKLOADS, locked
 _INTERRUPTED: list[int] = []  # signals received by `tvmdm tune` (see _interrupt)
 
 
-def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False, only=None, layout="bshd"):
+def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False, only=None, layout="bshd",
+                  precision: str = "fp32"):
     """(tuning tasks, the compile target) for ``model`` as tvmdm.compile (or, with ``train``,
     tvmdm.compile_train_step with an MSE loss) would build it. ``only``: keep the tasks whose name contains
-    one of these strings (e.g. ["matmul"]: the contractions, where most of the time goes)."""
+    one of these strings (e.g. ["matmul"]: the contractions, where most of the time goes). Under
+    precision="bf16" the bf16 contractions are left out: they have a hand-written micro-kernel."""
     import tvm
     from tvm.s_tir import meta_schedule as ms
 
@@ -46,10 +48,14 @@ def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False,
     if symbolic:
         raise ValueError(f"inputs {symbolic} have symbolic dims: bind them (--batch/--seq or --shape NAME=D0xD1); "
                          "tuning measures one concrete size")
-    fused = fuse.fuse(mod, fusion, layout=layout, lift_params=not train)
+    fused = fuse.fuse(mod, fusion, layout=layout, lift_params=not train, precision=precision)
     # Weight packing (main_transform_params) runs once at load: nothing there is worth a trial.
     fused = tvm.IRModule({gv: f for gv, f in fused.functions_items() if gv.name_hint != TRANSFORM_PARAMS})
     tasks = ms.relax_integration.extract_tasks(fused, tvm_target)
+    if precision != "fp32":
+        from schedules.bf16 import hand_scheduled
+
+        tasks = [t for t in tasks if not hand_scheduled(t.dispatched[0]["main"], tvm_target)]
     if only:
         tasks = [t for t in tasks if any(key in t.task_name for key in only)]
     return tasks, tvm_target
@@ -150,7 +156,7 @@ def make_runner(rpc_tracker: str | None, rpc_key: str | None, timeout_s: int = 3
 
 def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusion="tvm", per_iter: int = 8,
          rpc_tracker=None, rpc_key=None, seed: int | None = 0, stream=None, name: str | None = None,
-         train: bool = False, only=None, layout: str = "bshd") -> dict:
+         train: bool = False, only=None, layout: str = "bshd", precision: str = "fp32") -> dict:
     """Tune until the log holds ``trials`` records for the model's tasks. Returns a summary dict."""
     from tvm.s_tir import meta_schedule as ms
 
@@ -160,7 +166,7 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
     stream = stream or sys.stderr
     # The tuner itself imports the tensor intrinsics too (~27 s of TVMScript parsing without this).
     compat.speed_up_tvmscript_parsing()
-    tasks, tvm_target = extract_tasks(model, target, shapes, fusion, train, only, layout)
+    tasks, tvm_target = extract_tasks(model, target, shapes, fusion, train, only, layout, precision)
     if not tasks:
         raise ValueError(f"no tuning task left (--only {only})")
     names = [t.task_name for t in tasks]
@@ -185,7 +191,7 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
         finally:  # an interrupted run's trials and time count too
             stream.write("\n" + progress.summary() + "\n")
             _write_meta(logs, name or model, tvm_target, shapes, fusion, time.perf_counter() - progress.start,
-                        "training step" if train else "inference")
+                        "training step" if train else "inference", precision)
         return {"tasks": names, "trials_run": progress.done, "trials_in_log": sum(have) + progress.done,
                 "best_ms": dict(zip(names, [b * 1e3 for b in progress.best]))}
 
@@ -250,7 +256,7 @@ def _records_in(logs: str) -> int:
     return sum(1 for line in open(path) if line.strip()) if os.path.isfile(path) else 0
 
 
-def _write_meta(logs, model, target, shapes, fusion, seconds: float, graph: str) -> None:
+def _write_meta(logs, model, target, shapes, fusion, seconds: float, graph: str, precision: str = "fp32") -> None:
     """meta.json beside the database: what was tuned, for which target, and how long it took (cumulative)."""
     import json
     import platform
@@ -265,6 +271,7 @@ def _write_meta(logs, model, target, shapes, fusion, seconds: float, graph: str)
         "target": str(target),
         "shapes": {k: list(v) for k, v in (shapes or {}).items()},
         "fusion": fusion,
+        "precision": precision,
         "graph": graph,
         "trials": _records_in(logs),  # the whole log, whichever tasks this run tuned
         "tuning_seconds": round(previous.get("tuning_seconds", 0.0) + seconds, 1),
@@ -288,6 +295,8 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, help="bind every (batch, seq) input's seq dim")
     parser.add_argument("--fusion", default="tvm", choices=["tvm", "none", "paper"])
     parser.add_argument("--layout", default="bshd", help="attention layout under --fusion paper (see tvmdm.compile)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                        help="bf16: tune the kernels around the bf16 contractions (those have their own schedule)")
     parser.add_argument("--train", action="store_true", help="tune the kernels of the training step (forward, "
                         "MSE loss, backward, AdamW) instead of inference")
     parser.add_argument("--only", action="append", metavar="SUBSTRING", help="tune only the tasks whose name "
@@ -314,7 +323,7 @@ def main(argv=None, args=None) -> int:
     try:
         tune(_model_arg(args.model), logs=args.logs, target=args.target, trials=args.trials, shapes=shapes,
              fusion=args.fusion, per_iter=args.per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key,
-             name=args.model, train=args.train, only=args.only, layout=args.layout)
+             name=args.model, train=args.train, only=args.only, layout=args.layout, precision=args.precision)
     except (KeyboardInterrupt, Exception) as err:  # noqa: BLE001 - re-raised unless a signal caused it
         if not isinstance(err, KeyboardInterrupt) and not _INTERRUPTED:
             raise

@@ -151,3 +151,30 @@ def test_real_hf_exports_in_bf16(hf_export, family):
     compiled = tvmdm.compile(path, precision="bf16")
     assert any("bf16_gemm" in k for k in compiled.kernels)
     assert _max_rel_err(compiled, hf_exports.sample_inputs(family)) <= BF16_MAX_REL_ERR
+
+
+def _one_matmul_model(m=128, k=256, n=512):
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, m, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, m, n])],
+        [numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fp16_on_cuda_builds_tensor_core_kernels(arch):
+    from test_cuda_build import _cuda_source
+
+    model = _one_matmul_model()
+    assert "wmma::mma_sync" not in _cuda_source(tvmdm.compile(model, target=f"cuda:{arch}"))
+    source = _cuda_source(tvmdm.compile(model, target=f"cuda:{arch}", precision="fp16"))
+    assert "wmma::mma_sync" in source and "__half" in source  # fp16 operands on tensor cores
+
+
+def test_precision_must_suit_the_target(tiny_layer):
+    with pytest.raises(ValueError, match="precision='fp16' is built for cuda targets, not llvm; use precision='bf16'"):
+        tvmdm.compile(tiny_layer, precision="fp16")
+    with pytest.raises(ValueError, match="precision='bf16' is built for llvm targets, not cuda; use precision='fp16'"):
+        tvmdm.compile(tiny_layer, target="cuda:sm_80", precision="bf16")

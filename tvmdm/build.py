@@ -125,21 +125,22 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     fusion: "paper" (the paper's fusion rules, then stock FuseOps), "tvm" (stock FuseOps) or "none".
     layout: the attention's Q/K/V/context layout under fusion="paper": "bshd" (read and written where the
     projections put them, no transposes) or "bhsd" (head-major copies, as the ONNX graph writes).
-    precision: "fp32", or "bf16": the weight contractions read bf16 operands with fp32 accumulation (AVX512-BF16
-    on CPU; needs static shapes), everything else stays fp32; see tvmdm.precision.
+    precision: "fp32"; "bf16" (CPU): the weight contractions read bf16 operands with fp32 accumulation
+    (AVX512-BF16; needs static shapes); "fp16" (CUDA): they read fp16 operands (tensor cores), fp32 out.
+    Everything else stays fp32; see tvmdm.precision.
     tuning_logs: "shipped" (the logs in tuning_logs/ tuned for this target kind), a log directory or a list
     of them, or None. Kernels without a record get our default schedule. Tuned records are for static
     shapes: bind ``shapes`` to the tuned (batch, seq) to use them.
     """
     if options:
         raise TypeError(f"compile() got unknown options {sorted(options)}")
-    check_precision(precision)
     from schedules.apply import kernels
 
+    check_precision(precision, make_target(target).kind.name)
     timings = {}
     t0 = time.perf_counter()
     imported = _import(model, shapes, params)
-    if precision != "fp32":
+    if precision == "bf16":
         check_static_shapes(imported.mod)
     timings["import"] = time.perf_counter() - t0
     tvm_target = make_target(target)

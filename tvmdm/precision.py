@@ -24,7 +24,9 @@ from tvm import relax, te, tirx
 from tvmdm.errors import ShapeError
 from tvmdm.graph_rewrites import call_op
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+# Which target kinds each reduced precision is built for (its kernels and schedules are target-specific).
+PRECISION_TARGETS = {"bf16": ("llvm",), "fp16": ("cuda",)}
 # The documented accuracy of precision="bf16": max |out - out_fp32| / max |out_fp32| per output, vs onnxruntime
 # fp32 (tests check it on tiny layers; bf16 keeps 8 bits of mantissa, a relative rounding of 2^-9 per operand).
 BF16_MAX_REL_ERR = 1e-2
@@ -34,9 +36,14 @@ PAIR = 2  # bf16 values per accumulator per vdpbf16ps
 BITS = "uint16"
 
 
-def check_precision(precision: str) -> str:
+def check_precision(precision: str, target_kind: str | None = None) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
+    kinds = PRECISION_TARGETS.get(precision)
+    if kinds and target_kind is not None and target_kind not in kinds:
+        other = {"llvm": "bf16", "cuda": "fp16"}.get(target_kind)
+        raise ValueError(f"precision={precision!r} is built for {'/'.join(kinds)} targets, not {target_kind}"
+                         + (f"; use precision={other!r} there" if other else ""))
     return precision
 
 
@@ -222,8 +229,42 @@ def bf16_contractions() -> tvm.transform.Pass:
     return rewrite
 
 
+def half_contractions(dtype: str = "float16") -> tvm.transform.Pass:
+    """CUDA: matmul(x, W) with W a weight -> matmul(x as fp16, W as fp16, out_dtype=fp32). dlight's Matmul rule
+    schedules such a kernel on tensor cores (WMMA) when every dim exceeds 64 (sm_70 and later); the weight's
+    cast is weight-only, so LiftTransformParams makes it once at load."""
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmdm.HalfContractions")
+    def rewrite(mod, _ctx):
+        func = mod["main"]
+        n_in = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
+        weights = set(func.params[n_in:])
+        bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+        seen: dict = {}
+        targets = {var for var, value in bindings.items() if call_op(value) == "relax.matmul"
+                   and value.args[0].ty.dtype == "float32" and value.args[1].ty.dtype == "float32"
+                   and _weight_operand(value.args[1], weights, bindings, seen)}
+        if not targets:
+            return mod
+
+        @relax.expr_functor.mutator
+        class ToHalf(relax.PyExprMutator):
+            def visit_var_binding_(self, binding):
+                if binding.var not in targets:
+                    return super().visit_var_binding_(binding)
+                bb = self.builder_
+                x, w = (bb.emit(relax.op.astype(self.visit_expr(a), dtype)) for a in binding.value.args)
+                self.set_var_remap(binding.var, bb.emit(relax.op.matmul(x, w, out_dtype="float32")))
+                return None
+
+        out = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)
+        out["main"] = ToHalf(mod).visit_expr(func)
+        return out
+
+    return rewrite
+
+
 def precision_passes(precision: str = "fp32") -> list:
     """The graph passes for ``precision``, run before fusion (then LiftTransformParams packs the weights once)."""
-    if check_precision(precision) == "fp32":
-        return []
-    return [bf16_contractions()]
+    check_precision(precision)
+    return {"fp32": [], "bf16": [bf16_contractions()], "fp16": [half_contractions("float16")]}[precision]
