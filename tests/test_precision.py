@@ -178,3 +178,24 @@ def test_precision_must_suit_the_target(tiny_layer):
         tvmdm.compile(tiny_layer, precision="fp16")
     with pytest.raises(ValueError, match="precision='bf16' is built for llvm targets, not cuda; use precision='fp16'"):
         tvmdm.compile(tiny_layer, target="cuda:sm_80", precision="bf16")
+
+
+@needs_bf16_cpu
+def test_demo_reports_the_bf16_model(capsys):
+    from tvmdm.demo import run_demo
+
+    assert run_demo("bert-tiny-layer") == 0
+    out = capsys.readouterr().out
+    assert "tvmdm bf16 / onnxruntime fp32" in out and "bf16 max rel error (<= 0.01)" in out and "ok" in out
+
+
+def test_shipped_bf16_log_covers_the_bf16_only_kernels():
+    from tvmdm.cli import resolve_shapes
+
+    compiled = tvmdm.compile(tvmdm.default_model("bert-base-layer"), precision="bf16",
+                             shapes=resolve_shapes("bert-base-layer", None, 8, 128))
+    hand = {k for k in compiled.kernels if "bf16_gemm" in k}
+    assert hand and not hand & set(compiled.tuned_kernels)  # the micro-kernel needs no log
+    # Every other kernel has a record (the fp32 logs' or the bf16 log's): none is left to the default schedule.
+    assert set(compiled.kernels) - hand - {k for k in compiled.kernels if k.startswith("pack_bf16")} \
+        == set(compiled.tuned_kernels), compiled.tuned_kernels

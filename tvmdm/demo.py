@@ -42,6 +42,7 @@ def run_demo(name: str = "bert-base-layer", *, batch: int | None = None, seq: in
     reference = sess.run(compiled.output_names, feeds)
     ort_s = _median_seconds(lambda: sess.run(compiled.output_names, feeds), repeat=5)
     result = tvmdm.build.compare_outputs(compiled.output_names, outputs, reference, atol=1e-4, rtol=1e-4)
+    bf16_rows, bf16_ok = _bf16_rows(proto, name, batch, seq, target, feeds, reference, ort_s)
 
     rows = [
         ("build ONNX model", f"{build_s:.2f} s"),
@@ -53,9 +54,32 @@ def run_demo(name: str = "bert-base-layer", *, batch: int | None = None, seq: in
         ("check (atol=rtol=1e-4)", "ok" if result.ok else "FAILED"),
     ]
     rows.insert(-2, ("tvmdm / onnxruntime", f"{tvm_s / ort_s:.2f}x time"))
+    rows += bf16_rows
     width = max(len(r[0]) for r in rows)
     print("-" * (width + 16))
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
     print("-" * (width + 16))
-    return 0 if result.ok else 1
+    return 0 if result.ok and bf16_ok else 1
+
+
+def _bf16_rows(proto, name, batch, seq, target, feeds, reference, ort_s) -> tuple[list, bool]:
+    """The same model with bf16 contractions (where this CPU has AVX512-BF16), against fp32 onnxruntime."""
+    import tvmdm
+    from schedules.bf16 import has_bf16_dot
+    from tvmdm.cli import resolve_shapes
+    from tvmdm.precision import BF16_MAX_REL_ERR
+    from tvmdm.target import make_target
+
+    if not has_bf16_dot(make_target(target)):
+        return [("precision bf16", "skipped: this target has no AVX512-BF16")], True
+    compiled = tvmdm.compile(proto, target=target, shapes=resolve_shapes(name, None, batch, seq), precision="bf16")
+    outputs = compiled.run(feeds)
+    bf16_s = _median_seconds(lambda: compiled.run(feeds), repeat=5)
+    check = tvmdm.build.compare_outputs(compiled.output_names, outputs, reference, atol=0, rtol=0)
+    rel = max(o.max_rel_err for o in check.outputs)
+    return [
+        ("tvmdm bf16 run (median of 5)", f"{bf16_s * 1e3:.1f} ms"),
+        ("tvmdm bf16 / onnxruntime fp32", f"{bf16_s / ort_s:.2f}x time"),
+        (f"bf16 max rel error (<= {BF16_MAX_REL_ERR:g})", f"{rel:.3g} {'ok' if rel <= BF16_MAX_REL_ERR else 'FAILED'}"),
+    ], rel <= BF16_MAX_REL_ERR
