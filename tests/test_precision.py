@@ -199,3 +199,55 @@ def test_shipped_bf16_log_covers_the_bf16_only_kernels():
     # Every other kernel has a record (the fp32 logs' or the bf16 log's): none is left to the default schedule.
     assert set(compiled.kernels) - hand - {k for k in compiled.kernels if k.startswith("pack_bf16")} \
         == set(compiled.tuned_kernels), compiled.tuned_kernels
+
+
+@pytest.fixture(scope="module")
+def bf16_layer_step(tiny_layer):
+    return tvmdm.compile_train_step(tiny_layer, loss="mse", optimizer=tvmdm.AdamW(lr=1e-2), batch=2, seq=8,
+                                    tuning_logs=None, precision="bf16")
+
+
+def test_bf16_training_step_gradients_close_to_torch_fp32(tiny_layer, bf16_layer_step):
+    torch = pytest.importorskip("torch")
+    from test_train import _ours, _rel_err, _torch_layer, _torch_layer_loss
+
+    step = bf16_layer_step
+    # Every contraction with a 2-D operand is a bf16 kernel: 6 forward, 6 weight gradients, 3 input gradients
+    # (output projection, FFN up and down; the layer input needs none).
+    sites = call_sites(step.mod, "train_step")
+    assert sum(n for k, n in sites.items() if "bf16_gemm" in k) == 6 + 6 + 3, sites
+    assert "vdpbf16ps" in _asm(step) or not HAS_BF16
+    feeds = tvmdm.random_inputs(step, batch=2, seq=8)
+    batch = dict(feeds, labels=np.random.default_rng(1).standard_normal(step.target_spec.shape).astype(np.float32))
+    ref, layout = _torch_layer(tiny_layer)
+    loss, grads = step.gradients(batch)
+    torch_loss = _torch_layer_loss(ref, batch)
+    torch_loss.backward()
+    assert loss == pytest.approx(torch_loss.item(), rel=1e-3)
+    scale = max(p.grad.abs().max().item() for p in ref.module.parameters())
+    errors = {name: _rel_err(_ours(grads[layout[name][0]], layout[name][1]), p.grad.numpy(), 1e-3 * scale)
+              for name, p in ref.module.named_parameters()}
+    assert max(errors.values()) <= BF16_MAX_REL_ERR, errors
+    assert errors["attention.self.value.weight"] > 1e-5  # rounded: bf16 really used in the weight gradients
+    del torch
+
+
+def test_bf16_training_lowers_the_loss_and_keeps_fp32_master_weights(bf16_layer_step, tmp_path):
+    step = bf16_layer_step
+    feeds = tvmdm.random_inputs(step, batch=2, seq=8, seed=3)
+    batch = dict(feeds, labels=np.random.default_rng(2).standard_normal(step.target_spec.shape).astype(np.float32))
+    state = step.state_dict()
+    losses = [step.step(batch) for _ in range(10)]
+    assert losses[-1] < 0.7 * losses[0], losses
+    weights = {k: v for k, v in step.state_dict().items() if k.startswith("weights/")}
+    assert all(v.dtype == np.float32 for v in weights.values())
+    # Updates smaller than a bf16 step of the weight still accumulate in the fp32 masters.
+    moved = [np.abs(v - state[k]).max() for k, v in weights.items()]
+    assert min(moved) > 0
+    loaded = tvmdm.load_train_step(step.export(tmp_path / "bf16-step.tar"))
+    assert loaded.step(batch) == pytest.approx(step.step(batch), rel=1e-6)
+
+
+def test_fp16_training_is_refused_by_name(tiny_layer):
+    with pytest.raises(ValueError, match="precision='fp16' is built for cuda targets"):
+        tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, precision="fp16")

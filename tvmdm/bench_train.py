@@ -17,18 +17,24 @@ from tvmdm.errors import TvmdmError
 LR = 1e-4
 
 
-def _torch_step(ref, feeds: dict, target: np.ndarray, lr: float):
-    """A PyTorch training step on ``ref``'s module (an HF twin of the ONNX model): returns step() -> loss."""
+def _torch_step(ref, feeds: dict, target: np.ndarray, lr: float, autocast_bf16: bool = False):
+    """A PyTorch training step on ``ref``'s module (an HF twin of the ONNX model): returns step() -> loss.
+    ``autocast_bf16``: forward and loss under torch.autocast(bfloat16) (PyTorch's mixed precision on CPU)."""
+    import contextlib
+
     import torch
 
     ref.module.train()
     optimizer = torch.optim.AdamW(ref.module.parameters(), lr=lr)
     inputs, target_t = ref.torch_inputs(feeds), torch.from_numpy(target).to(ref.device)
+    autocast = (lambda: torch.autocast(ref.device.type, dtype=torch.bfloat16)) if autocast_bf16 else \
+        contextlib.nullcontext
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        out = ref.forward(inputs)
-        loss = torch.nn.functional.mse_loss(out[0] if isinstance(out, tuple) else out, target_t)
+        with autocast():
+            out = ref.forward(inputs)
+            loss = torch.nn.functional.mse_loss((out[0] if isinstance(out, tuple) else out).float(), target_t)
         loss.backward()
         optimizer.step()
         return loss.item()  # a host read: the step has finished, as tvmdm's returns its loss
@@ -37,16 +43,24 @@ def _torch_step(ref, feeds: dict, target: np.ndarray, lr: float):
 
 
 def training_systems(model: str, proto, batch: int, seq: int, *, target: str = "llvm", torch: bool = True,
-                     torch_compile: bool = True, tuning_logs="shipped", lr: float = LR):
-    """name -> step() callable returning the loss, plus skipped systems with reasons, plus the TrainStep."""
+                     torch_compile: bool = True, tuning_logs="shipped", lr: float = LR, precisions=("fp32",)):
+    """name -> step() callable returning the loss, plus skipped systems with reasons, plus the TrainStep.
+    Each precision besides fp32 adds tvmdm[p] and (bf16) torch-eager[bf16] (autocast)."""
     import tvmdm
     from tvmdm import models
 
-    step = tvmdm.compile_train_step(proto, loss="mse", optimizer=tvmdm.AdamW(lr=lr), target=target, batch=batch,
-                                    seq=seq, tuning_logs=tuning_logs)
+    def compile_step(precision):
+        return tvmdm.compile_train_step(proto, loss="mse", optimizer=tvmdm.AdamW(lr=lr), target=target,
+                                        batch=batch, seq=seq, tuning_logs=tuning_logs, precision=precision)
+
+    step = compile_step("fp32")
     feeds = tvmdm.random_inputs(step, batch=batch, seq=seq)
     labels = np.random.default_rng(1).standard_normal(step.target_spec.shape).astype(np.float32)
     systems = {"tvmdm": lambda: step.step(dict(feeds, labels=labels))}
+    reduced = [p for p in precisions if p != "fp32"]
+    for precision in reduced:
+        other = compile_step(precision)
+        systems[f"tvmdm[{precision}]"] = lambda s=other: s.step(dict(feeds, labels=labels))
     skipped = {}
     if not torch:
         return systems, skipped, step, feeds
@@ -63,18 +77,22 @@ def training_systems(model: str, proto, batch: int, seq: int, *, target: str = "
 
     torch_mod.set_num_threads(num_cores())
     systems["torch-eager"] = _torch_step(TorchReference(model, proto), feeds, labels, lr)
+    if "bf16" in reduced:
+        systems["torch-eager[bf16]"] = _torch_step(TorchReference(model, proto), feeds, labels, lr, autocast_bf16=True)
     if torch_compile:
         systems["torch-compile"] = _torch_step(TorchReference(model, proto).compile(), feeds, labels, lr)
     return systems, skipped, step, feeds
 
 
-def check_training_agreement(systems: dict, rtol: float = 1e-3) -> dict:
-    """Two steps of every system from the same state: the losses must agree (the second checks the update)."""
+def check_training_agreement(systems: dict, rtol: float = 1e-3, reduced_rtol: float = 1e-2) -> dict:
+    """Two steps of every system from the same state: the losses must agree (the second checks the update);
+    systems in reduced precision (a "[bf16]" name) within ``reduced_rtol``."""
     losses = {name: [step(), step()] for name, step in systems.items()}
     reference = losses["tvmdm"]
     for name, pair in losses.items():
+        tolerance = reduced_rtol if "[" in name else rtol
         for i, (got, want) in enumerate(zip(pair, reference)):
-            if abs(got - want) > rtol * abs(want):
+            if abs(got - want) > tolerance * abs(want):
                 raise AssertionError(f"{name} disagrees with tvmdm at training step {i + 1}: loss {got:.7g} vs "
                                      f"{want:.7g}")
     return losses
@@ -83,7 +101,7 @@ def check_training_agreement(systems: dict, rtol: float = 1e-3) -> dict:
 def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = None, target: str = "llvm",
                     min_runs: int = 5, max_seconds: float = 30.0, torch: bool = True, torch_compile: bool = True,
                     json_path: str | None = None, plot_path: str | None = None, tuning_logs="shipped",
-                    out=print) -> dict:
+                    precisions=("fp32",), out=print) -> dict:
     from tvmdm import models
     from tvmdm.bench import _load
     from tvmdm.cli import resolve_shapes
@@ -97,7 +115,8 @@ def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = N
     if batch is None or seq is None:
         raise TvmdmError(f"bench --train needs concrete sizes for {model}: give --batch and --seq")
     systems, skipped, step, _ = training_systems(model, proto, batch, seq, target=target, torch=torch,
-                                                 torch_compile=torch_compile, tuning_logs=tuning_logs)
+                                                 torch_compile=torch_compile, tuning_logs=tuning_logs,
+                                                 precisions=precisions)
     losses = check_training_agreement(systems)
     flops = matmul_flops(proto, resolve_shapes(model, None, batch, seq))
     flops = 3 * flops if flops else None
@@ -123,4 +142,8 @@ def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = N
         "losses_first_two_steps": losses, "skipped": skipped,
         "torch_eager_over_tvmdm": (eager / timings[0].median_ms) if eager else None,
     }
+    by_name = {t.system: t.median_ms for t in timings}
+    if "tvmdm[bf16]" in by_name and "torch-eager[bf16]" in by_name:
+        result["torch_eager_bf16_over_tvmdm_bf16"] = by_name["torch-eager[bf16]"] / by_name["tvmdm[bf16]"]
+        out(f"tvmdm[bf16] vs torch-eager[bf16] (autocast): {result['torch_eager_bf16_over_tvmdm_bf16']:.2f}x faster")
     return write_result(result, json_path, plot_path, out)

@@ -285,7 +285,7 @@ def graph_passes(fusion: str, layout: str = "bshd", read_fractions: dict | None 
     merged QKV), weight-only work lifted to main_transform_params, then the paper's pattern fusion.
     ``lift_params``: lift (inference only: a training step changes its weights every step)."""
     passes = [paper_graph_rewrites(layout)] if fusion == "paper" else []
-    passes += precision_passes(precision)
+    passes += precision_passes(precision, training=not lift_params)
     if lift_params and (fusion == "paper" or precision != "fp32"):
         passes.append(relax.transform.LiftTransformParams())
     if fusion == "paper":

@@ -18,6 +18,7 @@ compile bfloat16 buffers natively (see schedules/bf16.py), and uint16 keeps thei
 """
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import relax, te, tirx
 
@@ -158,75 +159,175 @@ def check_static_shapes(mod: tvm.IRModule) -> None:
                              "(CLI: --shape NAME=D0xD1)")
 
 
-def bf16_contractions() -> tvm.transform.Pass:
-    """matmul(x, W) with W a 2-D fp32 weight (or computed from weights only, like the merged QKV's packed
-    matrix, or transposed) -> bf16_gemm(to_bf16(x), pack_bf16(W)); see the module doc.
-    Activations shared by several contractions (Q, K, V) are converted once. Needs static shapes."""
+def to_bf16_transposed_func(shape) -> tirx.PrimFunc:
+    """x [lead..., K] (fp32) -> bf16 bits of x^T as [K, rows] (rows = the leading dims flattened): the left
+    operand of a weight gradient, X^T dY."""
+    *lead, k = shape
+    rows = int(np.prod(lead))
+    x = te.placeholder(_i64(shape), "float32", name="x")
+
+    def element(col, row):
+        index, rest = [], row
+        for d in reversed(lead):
+            index.append(rest % d)
+            rest = rest // d
+        return bf16_bits(x(*reversed(index), col))
+
+    out = te.compute(_i64((k, rows)), element, name="to_bf16_t")
+    return _private(te.create_prim_func([x, out]))
+
+
+def _users(bindings: dict) -> dict:
+    counts: dict = {}
+    for value in bindings.values():
+        relax.analysis.post_order_visit(value, lambda e: isinstance(e, relax.Var) and
+                                        counts.__setitem__(e, counts.get(e, 0) + 1))
+    return counts
+
+
+def _2d_operand(value, bindings: dict):
+    """(tensor, transposed) for a 2-D right operand or permute_dims of one (training: packed every step)."""
+    bound = bindings.get(value)
+    if call_op(bound) == "relax.permute_dims" and len(bound.args[0].ty.shape.values) == 2:
+        axes = bound.attrs.axes
+        if axes is None or [int(a) for a in axes] == [1, 0]:
+            return bound.args[0], True
+    return (value, False) if len(value.ty.shape.values) == 2 else None
+
+
+def _weight_gradient(value, bindings: dict, users: dict):
+    """(matmul var, X, dY, rows) when ``value`` is collapse_sum_to(matmul(permute_dims(X, [0, 2, 1]), dY)) to 2-D:
+    Relax Gradient's dW of a [B, S, K] x [K, N] contraction, i.e. X^T dY over all B*S rows."""
+    mm = value.args[0]
+    if not isinstance(mm, relax.Var) or users.get(mm, 0) != 1 or call_op(bindings.get(mm)) != "relax.matmul":
+        return None
+    xt, dy = bindings[mm].args
+    bound = bindings.get(xt)
+    if call_op(bound) != "relax.permute_dims" or bound.attrs.axes is None:
+        return None
+    x = bound.args[0]
+    rank = len(x.ty.shape.values)
+    if rank < 3 or [int(a) for a in bound.attrs.axes] != list(range(rank - 2)) + [rank - 1, rank - 2] or \
+            any(v is None for v in (_static(x.ty.shape), _static(dy.ty.shape))):
+        return None
+    rows = int(np.prod(_static(x.ty.shape)[:-1]))
+    if _static(dy.ty.shape)[:-1] != _static(x.ty.shape)[:-1] or len(value.ty.shape.values) != 2:
+        return None
+    return mm, x, dy, rows
+
+
+def _plan(func: relax.Function, weights: set | None) -> tuple[dict, set]:
+    """The contractions to rewrite: var -> ("gemm", x, (w, transposed), x shape, K, N) or ("wgrad", x, dy, rows,
+    K, N); and the matmul vars a "wgrad" replaces. ``weights`` None (training): every 2-D right operand and the
+    weight gradients; else only right operands computed from ``weights`` alone."""
+    bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+    users, seen = _users(bindings), {}
+    targets, replaced = {}, set()
+    for var, value in bindings.items():
+        if weights is None and call_op(value) == "relax.collapse_sum_to":
+            found = _weight_gradient(value, bindings, users)
+            if found and value.args[0].ty.dtype == "float32":
+                mm, x, dy, rows = found
+                k, n = (int(d) for d in value.ty.shape.values)
+                if n % LANES == 0 and rows % PAIR == 0:
+                    targets[var] = ("wgrad", x, dy, rows, k, n)
+                    replaced.add(mm)
+            continue
+        if call_op(value) != "relax.matmul":
+            continue
+        x, w = value.args
+        operand = _2d_operand(w, bindings) if weights is None else _weight_operand(w, weights, bindings, seen)
+        if operand is None or x.ty.dtype != "float32" or operand[0].ty.dtype != "float32":
+            continue
+        x_shape, w_shape = _static(x.ty.shape), _static(operand[0].ty.shape)
+        if x_shape is None or w_shape is None:
+            continue  # symbolic rows: check_static_shapes refuses such models before the passes run
+        n, k = (w_shape if operand[1] else w_shape[::-1])
+        if n % LANES or k % PAIR:
+            continue  # stays fp32: the packed layout needs N % 16 == 0 and K even
+        targets[var] = ("gemm", x, operand, x_shape, k, n)
+    return {v: t for v, t in targets.items() if v not in replaced}, replaced
+
+
+def bf16_contractions(training: bool = False) -> tvm.transform.Pass:
+    """Inference: matmul(x, W) with W a 2-D fp32 weight (or computed from weights only, like the merged QKV's
+    packed matrix, or transposed) -> bf16_gemm(to_bf16(x), pack_bf16(W)) in ``main``; see the module doc.
+    Training (every Relax function; the weights are fp32 master copies that change every step): every
+    contraction with a 2-D right operand, packed each step, and each weight gradient X^T dY as one contraction
+    over all rows. Activations read by several contractions (Q, K, V) are converted once."""
 
     @tvm.transform.module_pass(opt_level=0, name="tvmdm.BF16Contractions")
     def rewrite(mod, _ctx):
-        if "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
-            return mod
-        func = mod["main"]
-        n_in = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
-        weights = set(func.params[n_in:])
-        bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
-        targets, seen = {}, {}
-        for var, value in bindings.items():
-            if call_op(value) != "relax.matmul":
-                continue
-            x, w = value.args
-            operand = _weight_operand(w, weights, bindings, seen)
-            if operand is None or x.ty.dtype != "float32" or operand[0].ty.dtype != "float32":
-                continue
-            x_shape = _static(x.ty.shape)
-            w_shape = _static(operand[0].ty.shape)
-            if x_shape is None:
-                continue  # symbolic rows: check_static_shapes refuses such models before the passes run
-            n, k = (w_shape if operand[1] else w_shape[::-1])
-            if n % LANES or k % PAIR:
-                continue  # stays fp32: the packed layout needs N % 16 == 0 and K even
-            targets[var] = (operand, x_shape, k, n)
-        if not targets:
-            return mod
-
-        @relax.expr_functor.mutator
-        class ToBF16(relax.PyExprMutator):
-            def __init__(self, mod):
-                super().__init__(mod)
-                self.converted = {}
-
-            def _bits(self, x, shape):
-                if x not in self.converted:
-                    gv = self.builder_.add_func(to_bf16_func(shape), "to_bf16")
-                    self.converted[x] = self.builder_.emit(relax.call_tir(
-                        gv, [self.visit_expr(x)], relax.TensorType(shape, BITS)))
-                return self.converted[x]
-
-            def visit_var_binding_(self, binding):
-                target = targets.get(binding.var)
-                if target is None:
-                    return super().visit_var_binding_(binding)
-                (w, transposed), x_shape, k, n = target
-                bb = self.builder_
-                pack = bb.add_func(pack_bf16_func(k, n, transposed), "pack_bf16")
-                packed = bb.emit(relax.call_tir(pack, [w], relax.TensorType(
-                    (n // LANES, k // PAIR, LANES, PAIR), BITS)))
-                gemm = bb.add_func(gemm_func(x_shape[:-1], k, n), GEMM_BLOCK)
-                x_bits = self._bits(binding.value.args[0], x_shape)
-                out = bb.emit(relax.call_tir(gemm, [x_bits, packed],
-                                             relax.TensorType(x_shape[:-1] + [n], "float32")))
-                self.set_var_remap(binding.var, out)
-                return None
-
-        mutator = ToBF16(mod)
-        body = mutator.visit_expr(func).body
-        out = mutator.builder_.get()  # the module with the new PrimFuncs
-        out = tvm.IRModule(dict(out.functions.items()), attrs=mod.attrs)
-        out["main"] = relax.Function(func.params, body, func.ret_ty, attrs=func.attrs)
-        return out
+        names = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function)
+                 and (training or gv.name_hint == "main")]
+        for name in names:
+            mod = _rewrite_function(mod, name, training)
+        return mod
 
     return rewrite
+
+
+def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRModule:
+    func = mod[name]
+    if training:
+        weights = None
+    else:
+        n_in = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
+        weights = set(func.params[n_in:])
+    targets, replaced = _plan(func, weights)
+    if not targets:
+        return mod
+
+    @relax.expr_functor.mutator
+    class ToBF16(relax.PyExprMutator):
+        def __init__(self, mod):
+            super().__init__(mod)
+            self.converted = {}
+
+        def _convert(self, x, make, shape, key):
+            if (x, key) not in self.converted:
+                gv = self.builder_.add_func(make(_static(x.ty.shape)), key)
+                self.converted[(x, key)] = self.builder_.emit(relax.call_tir(
+                    gv, [self.visit_expr(x)], relax.TensorType(shape, BITS)))
+            return self.converted[(x, key)]
+
+        def _pack(self, w, k, n, transposed):
+            bb = self.builder_
+            pack = bb.add_func(pack_bf16_func(k, n, transposed), "pack_bf16")
+            return bb.emit(relax.call_tir(pack, [w], relax.TensorType((n // LANES, k // PAIR, LANES, PAIR), BITS)))
+
+        def _gemm(self, a_bits, packed, lead, k, n):
+            gemm = self.builder_.add_func(gemm_func(lead, k, n), GEMM_BLOCK)
+            return self.builder_.emit(relax.call_tir(gemm, [a_bits, packed], relax.TensorType(list(lead) + [n],
+                                                                                               "float32")))
+
+        def visit_var_binding_(self, binding):
+            if binding.var in replaced:
+                return None
+            target = targets.get(binding.var)
+            if target is None:
+                return super().visit_var_binding_(binding)
+            kind, x = target[0], target[1]
+            if kind == "gemm":
+                _, _, (w, transposed), x_shape, k, n = target
+                packed = self._pack(self.visit_expr(w), k, n, transposed)
+                a_bits = self._convert(x, to_bf16_func, x_shape, "to_bf16")
+                out = self._gemm(a_bits, packed, x_shape[:-1], k, n)
+            else:  # dW = X^T dY over every row
+                _, _, dy, rows, k, n = target
+                flat = self.builder_.emit(relax.op.reshape(self.visit_expr(dy), [rows, n]))
+                packed = self._pack(flat, rows, n, False)
+                a_bits = self._convert(x, to_bf16_transposed_func, [k, rows], "to_bf16_t")
+                out = self._gemm(a_bits, packed, [k], rows, n)
+            self.set_var_remap(binding.var, out)
+            return None
+
+    mutator = ToBF16(mod)
+    new_func = mutator.visit_expr(func)
+    out = mutator.builder_.get()  # the module with the new PrimFuncs
+    out = tvm.IRModule(dict(out.functions.items()), attrs=mod.attrs)
+    out[name] = relax.Function(func.params, new_func.body, func.ret_ty, attrs=func.attrs)
+    return out
 
 
 def half_contractions(dtype: str = "float16") -> tvm.transform.Pass:
@@ -264,7 +365,10 @@ def half_contractions(dtype: str = "float16") -> tvm.transform.Pass:
     return rewrite
 
 
-def precision_passes(precision: str = "fp32") -> list:
-    """The graph passes for ``precision``, run before fusion (then LiftTransformParams packs the weights once)."""
+def precision_passes(precision: str = "fp32", training: bool = False) -> list:
+    """The graph passes for ``precision``, run before fusion (then LiftTransformParams packs the weights once,
+    for inference). ``training``: the module is a training step (tvmdm.train)."""
     check_precision(precision)
-    return {"fp32": [], "bf16": [bf16_contractions()], "fp16": [half_contractions("float16")]}[precision]
+    if precision == "fp16" and training:
+        raise ValueError("precision='fp16' training (with loss scaling) is not built yet; train in fp32 or bf16")
+    return {"fp32": [], "bf16": [bf16_contractions(training)], "fp16": [half_contractions("float16")]}[precision]

@@ -25,6 +25,7 @@ from tvmdm.dropout import DropoutConfig
 from tvmdm.errors import InputError, TvmdmError
 from tvmdm.runtime import ModelRunner
 from tvmdm.spec import TensorSpec
+from tvmdm.precision import check_precision
 from tvmdm.target import make_target
 
 log = logging.getLogger("tvmdm")
@@ -262,7 +263,7 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
 def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None = None, target="llvm",
                        shapes: dict | None = None, batch: int | None = None, seq: int | None = None,
                        checkpoint=False, dropout: float = 0.0, seed: int = 0, fusion: str = "tvm",
-                       layout: str = "bshd", tuning_logs="shipped") -> TrainStep:
+                       layout: str = "bshd", precision: str = "fp32", tuning_logs="shipped") -> TrainStep:
     """Compile a training step for an ONNX model (path or ModelProto): an encoder layer, a full BERT, or a
     BertForSequenceClassification / MaskedLM export. The loss applies to the model's first output.
 
@@ -276,12 +277,19 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     branch of each residual) with keep-masks drawn per step from (seed, step): reproducible (tvmdm.dropout).
     fusion / layout: as in tvmdm.compile ("paper": merged QKV and transpose-free attention in forward and
     backward, the paper's pattern kernels).
+    precision: "fp32", or "bf16" (CPU): every contraction with a 2-D operand (forward, input gradients, weight
+    gradients) reads bf16 operands with fp32 accumulation; weights, Adam moments, the loss and everything else
+    stay fp32 (the bf16 copies of the fp32 master weights are made each step).
     """
     from schedules.apply import kernels
     from tvmdm.build import _schedule
     from tvmdm.checkpoint import memory_estimate
 
     optimizer = optimizer or AdamW()
+    check_precision(precision, make_target(target).kind.name)
+    if precision == "fp16":
+        raise ValueError("precision='fp16' training (fp16 compute with dynamic loss scaling) is not built yet; "
+                         "train in fp32, or in bf16 on CPU")
     timings = {}
     t0 = time.perf_counter()
     imported, mod, trainable, sites = training_graph(model, loss=loss, optimizer=optimizer, shapes=shapes,
@@ -290,7 +298,7 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     timings["graph"] = time.perf_counter() - t0
     tvm_target = make_target(target)
     t0 = time.perf_counter()
-    mod = fuse_stage.fuse(mod, fusion, layout=layout, lift_params=False)
+    mod = fuse_stage.fuse(mod, fusion, layout=layout, lift_params=False, precision=precision)
     mod, tuned = _schedule(mod, tvm_target, tuning_logs)
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -307,4 +315,5 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     step.timings, step.mod, step.imported = timings, mod, imported
     step.memory = memory_estimate(mod)
     step.checkpoint = checkpoint
+    step.precision = precision
     return step
