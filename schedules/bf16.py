@@ -22,7 +22,7 @@ from tvm.script import tirx as T
 from tvm.s_tir.analysis import estimate_tir_flops
 
 from tvmdm import compat
-from tvmdm.precision import GEMM_BLOCK, LANES, PAIR, bf16_value
+from tvmdm.precision import GEMM_BLOCK, LANES, PAIR, TRANSPOSED_BLOCK, bf16_value
 from tvmdm.profile import FLOPS_ATTR
 
 INTRIN = "tvmdm_dot_16x2_bf16"
@@ -133,6 +133,26 @@ def _epilogue_into_tile(sch, acc, tile) -> None:
             sch.vectorize(lanes)
 
 
+TRANSPOSE_TILE = 8  # rows x rows tiles of the transposing conversion (8: 1.8 ms vs 6.1 default on [1024, 3072])
+
+
+def schedule_transposed_conversion(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """x^T as bf16 bits (a weight gradient's left operand), in square tiles: each tile's reads and writes stay
+    in L1 (the default schedule streams one column at a time, reading a cache line per element)."""
+    sch = Schedule(func)
+    block = sch.get_sblock(TRANSPOSED_BLOCK)
+    for producer in sch.get_producers(block):  # element-wise producers fused in front (e.g. GELU's output)
+        sch.compute_inline(producer)
+    k, m = sch.get_loops(block)
+    ko, ki = sch.split(k, [None, TRANSPOSE_TILE])
+    mo, mi = sch.split(m, [None, TRANSPOSE_TILE])
+    sch.reorder(ko, mo, ki, mi)
+    sch.parallel(sch.fuse(ko, mo))
+    sch.unroll(ki)
+    sch.vectorize(mi)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
 def apply_bf16_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[tvm.IRModule, list[str]]:
     """Schedule every kernel with a bf16 contraction block; returns the module and their names. On a CPU
     without AVX512-BF16 nothing is done here: the default schedule computes the same numbers in fp32 FMAs
@@ -146,6 +166,13 @@ def apply_bf16_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[
     for gv, func in list(mod.functions.items()):
         if not isinstance(func, tirx.PrimFunc) or (func.attrs and func.attrs.get("tirx.is_scheduled", False)):
             continue
+        if _has_block(func, TRANSPOSED_BLOCK):
+            try:
+                mod[gv] = schedule_transposed_conversion(func.with_attr("global_symbol", gv.name_hint))
+                done.append(gv.name_hint)
+            except Exception:  # noqa: BLE001 - a fused shape the tiling does not fit: default schedule
+                pass
+            continue
         if not _has_block(func, GEMM_BLOCK):
             continue
         flops = int(estimate_tir_flops(tvm.IRModule({gv: func})))
@@ -156,7 +183,7 @@ def apply_bf16_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[
 
 def hand_scheduled(func: tirx.PrimFunc, target: tvm.target.Target) -> bool:
     """Whether apply_bf16_schedules takes this kernel (so tuning it would be wasted)."""
-    return has_bf16_dot(target) and _has_block(func, GEMM_BLOCK)
+    return has_bf16_dot(target) and (_has_block(func, GEMM_BLOCK) or _has_block(func, TRANSPOSED_BLOCK))
 
 
 def _has_block(func: tirx.PrimFunc, name: str) -> bool:

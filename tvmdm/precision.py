@@ -32,6 +32,7 @@ PRECISION_TARGETS = {"bf16": ("llvm",), "fp16": ("cuda",)}
 # fp32 (tests check it on tiny layers; bf16 keeps 8 bits of mantissa, a relative rounding of 2^-9 per operand).
 BF16_MAX_REL_ERR = 1e-2
 GEMM_BLOCK = "bf16_gemm"  # the contraction block schedules.bf16 looks for
+TRANSPOSED_BLOCK = "to_bf16_t"  # the transposing conversion (weight gradients' left operand), scheduled there too
 LANES = 16  # fp32 accumulators per vdpbf16ps
 PAIR = 2  # bf16 values per accumulator per vdpbf16ps
 BITS = "uint16"
@@ -173,7 +174,7 @@ def to_bf16_transposed_func(shape) -> tirx.PrimFunc:
             rest = rest // d
         return bf16_bits(x(*reversed(index), col))
 
-    out = te.compute(_i64((k, rows)), element, name="to_bf16_t")
+    out = te.compute(_i64((k, rows)), element, name=TRANSPOSED_BLOCK)
     return _private(te.create_prim_func([x, out]))
 
 
