@@ -49,7 +49,7 @@ def test_log_applies_to_a_users_hf_export(tmp_path):
     assert all("matmul" not in k and k not in ("softmax", "layer_norm") for k in untuned), untuned
     assert len(compiled.tuned_kernels) >= 10
     assert compiled.check(tvmdm.random_inputs(compiled, batch=8, seq=128)).ok
-    assert os.path.basename(shipped_logs("llvm")[0]) == "bert-base-layer-llvm"
+    assert "bert-base-layer-llvm" in [os.path.basename(d) for d in shipped_logs("llvm")]
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])

@@ -22,12 +22,12 @@ from tvmdm.errors import (ArtifactError, InputError, ModelLoadError, ShapeError,
                           UnsupportedOperatorError)
 from tvmdm.spec import TensorSpec
 from tvmdm.distributed import DataParallel
-from tvmdm.train import AdamW, TrainStep, compile_train_step, load_train_step
+from tvmdm.train import AdamW, LossScaler, TrainStep, compile_train_step, load_train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "compile", "load", "analyze", "compile_train_step", "load_train_step", "TrainStep", "AdamW", "DataParallel", "Report", "Compiled", "CheckResult", "TensorSpec",
+    "compile", "load", "analyze", "compile_train_step", "load_train_step", "TrainStep", "AdamW", "LossScaler", "DataParallel", "Report", "Compiled", "CheckResult", "TensorSpec",
     "TvmdmError", "ModelLoadError", "UnsupportedOperatorError", "ShapeError", "TargetError", "InputError", "ArtifactError",
     "default_model", "default_dims", "random_inputs", "DEFAULT_MODELS",
 ]

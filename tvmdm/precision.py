@@ -331,45 +331,53 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
     return out
 
 
-def half_contractions(dtype: str = "float16") -> tvm.transform.Pass:
+def half_contractions(dtype: str = "float16", training: bool = False) -> tvm.transform.Pass:
     """CUDA: matmul(x, W) with W a weight -> matmul(x as fp16, W as fp16, out_dtype=fp32). dlight's Matmul rule
     schedules such a kernel on tensor cores (WMMA) when every dim exceeds 64 (sm_70 and later); the weight's
-    cast is weight-only, so LiftTransformParams makes it once at load."""
+    cast is weight-only, so LiftTransformParams makes it once at load. ``training``: every fp32 contraction of
+    every function (forward and backward; the fp32 master weights are cast each step)."""
 
     @tvm.transform.module_pass(opt_level=0, name="tvmdm.HalfContractions")
     def rewrite(mod, _ctx):
-        func = mod["main"]
-        n_in = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
-        weights = set(func.params[n_in:])
-        bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
-        seen: dict = {}
-        targets = {var for var, value in bindings.items() if call_op(value) == "relax.matmul"
-                   and value.args[0].ty.dtype == "float32" and value.args[1].ty.dtype == "float32"
-                   and _weight_operand(value.args[1], weights, bindings, seen)}
-        if not targets:
-            return mod
-
-        @relax.expr_functor.mutator
-        class ToHalf(relax.PyExprMutator):
-            def visit_var_binding_(self, binding):
-                if binding.var not in targets:
-                    return super().visit_var_binding_(binding)
-                bb = self.builder_
-                x, w = (bb.emit(relax.op.astype(self.visit_expr(a), dtype)) for a in binding.value.args)
-                self.set_var_remap(binding.var, bb.emit(relax.op.matmul(x, w, out_dtype="float32")))
-                return None
-
-        out = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)
-        out["main"] = ToHalf(mod).visit_expr(func)
-        return out
+        names = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function)
+                 and (training or gv.name_hint == "main")]
+        for name in names:
+            mod = _half_function(mod, name, dtype, training)
+        return mod
 
     return rewrite
+
+
+def _half_function(mod: tvm.IRModule, name: str, dtype: str, training: bool) -> tvm.IRModule:
+    func = mod[name]
+    n_in = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
+    weights = set(func.params[n_in:])
+    bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+    seen: dict = {}
+    targets = {var for var, value in bindings.items() if call_op(value) == "relax.matmul"
+               and value.args[0].ty.dtype == "float32" and value.args[1].ty.dtype == "float32"
+               and (training or _weight_operand(value.args[1], weights, bindings, seen))}
+    if not targets:
+        return mod
+
+    @relax.expr_functor.mutator
+    class ToHalf(relax.PyExprMutator):
+        def visit_var_binding_(self, binding):
+            if binding.var not in targets:
+                return super().visit_var_binding_(binding)
+            bb = self.builder_
+            x, w = (bb.emit(relax.op.astype(self.visit_expr(a), dtype)) for a in binding.value.args)
+            self.set_var_remap(binding.var, bb.emit(relax.op.matmul(x, w, out_dtype="float32")))
+            return None
+
+    out = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)
+    out[name] = ToHalf(mod).visit_expr(func)
+    return out
 
 
 def precision_passes(precision: str = "fp32", training: bool = False) -> list:
     """The graph passes for ``precision``, run before fusion (then LiftTransformParams packs the weights once,
     for inference). ``training``: the module is a training step (tvmdm.train)."""
     check_precision(precision)
-    if precision == "fp16" and training:
-        raise ValueError("precision='fp16' training (with loss scaling) is not built yet; train in fp32 or bf16")
-    return {"fp32": [], "bf16": [bf16_contractions(training)], "fp16": [half_contractions("float16")]}[precision]
+    return {"fp32": [], "bf16": [bf16_contractions(training)],
+            "fp16": [half_contractions("float16", training)]}[precision]

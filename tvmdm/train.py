@@ -11,6 +11,7 @@ stages as inference. Weights, Adam moments and the step count stay on the device
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ FORMAT = "tvmdm-train-step"
 VERSION = 1
 TARGET_KEYS = ("labels", "target")  # the batch key holding the loss target (HF calls it labels)
 AdamW = train_graph.AdamW
+LossScaler = train_graph.LossScaler
 
 
 class TrainStep(ModelRunner):
@@ -42,7 +44,7 @@ class TrainStep(ModelRunner):
 
     def __init__(self, executable, *, inputs, outputs, params, target_kind, index_bounds, target_spec: TensorSpec,
                  optimizer: AdamW, loss_name: str, moments=None, step_count: int = 0,
-                 dropout: DropoutConfig = DropoutConfig()):
+                 dropout: DropoutConfig = DropoutConfig(), loss_scaler: LossScaler | None = None):
         super().__init__(executable, inputs=inputs, outputs=outputs, params=params, target_kind=target_kind,
                          index_bounds=index_bounds)
         self.target_spec = target_spec
@@ -51,6 +53,7 @@ class TrainStep(ModelRunner):
         self.lr = optimizer.lr  # settable: a schedule changes it between steps without recompiling
         self.step_count = step_count
         self.dropout = dropout
+        self.loss_scaler = loss_scaler  # dynamic loss scaling (fp16): its scale is an input of every call
         self.memory: dict[str, int] = {}  # bytes: "planned" by relax, "peak_live" tensors (checkpoint.py)
         self.checkpoint = False
         zeros = {n: np.zeros_like(v) for n, v in self._host_params.items()}
@@ -89,12 +92,26 @@ class TrainStep(ModelRunner):
             [tvm.runtime.tensor(m, self.device) for m in self.dropout.masks(self.step_count + 1)]
         return args, tvm.runtime.tensor(np.asarray(target, order="C"), self.device)
 
+    def _scale_args(self, scale: float | None = None) -> list:
+        """The loss-scale input of a loss-scaled module (``scale``, or the scaler's): nothing otherwise."""
+        if self.loss_scaler is None:
+            return []
+        value = self.loss_scaler.scale if scale is None else scale
+        return [tvm.runtime.tensor(np.array(value, dtype=np.float32), self.device)]
+
     def step(self, batch: dict) -> float:
-        """One training step (forward, loss, backward, AdamW update) on ``batch``; returns the loss."""
+        """One training step (forward, loss, backward, AdamW update) on ``batch``; returns the loss. With loss
+        scaling, a step whose gradients overflow changes nothing but the scale (as torch's GradScaler)."""
         args, target = self._split_batch(batch)
-        result = self._vm["train_step"](*args, target, *self._params, *self._moments["m"], *self._moments["v"],
-                                        *self._update_scalars())
-        self._take_update(list(result[1:]))
+        result = self._vm["train_step"](*args, *self._scale_args(), target, *self._params, *self._moments["m"],
+                                        *self._moments["v"], *self._update_scalars())
+        if self.loss_scaler is None:
+            self._take_update(list(result[1:]))
+        else:
+            finite = float(result[len(result) - 1].numpy()) == 0.0
+            if finite:
+                self._take_update([result[i] for i in range(1, len(result) - 1)])
+            self.loss_scaler.update(finite)
         return float(result[0].numpy())
 
     def gradients(self, batch: dict) -> tuple[float, dict[str, np.ndarray]]:
@@ -106,7 +123,10 @@ class TrainStep(ModelRunner):
         """Loss and gradients as device tensors (in ``weight_names`` order), for ``apply_gradients``: what a
         data-parallel step exchanges between them (tvmdm.distributed)."""
         args, target = self._split_batch(batch)
-        loss, grads = self._vm["loss_and_grads"](*args, target, *self._params)
+        # Scale 1: plain gradients (a data-parallel step all-reduces and applies them as they are).
+        loss, grads = self._vm["loss_and_grads"](*args, *self._scale_args(1.0), target, *self._params)
+        if self.loss_scaler is not None:
+            loss = loss[1]  # (scaled loss, loss)
         return loss, list(grads)
 
     def apply_gradients(self, grads: list) -> None:
@@ -176,6 +196,7 @@ class TrainStep(ModelRunner):
             "memory": self.memory, "checkpoint": self.checkpoint, "dropout": self.dropout.to_json(),
             "optimizer": {"lr": self.optimizer.lr, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps,
                           "weight_decay": self.optimizer.weight_decay},
+            "loss_scaler": self.loss_scaler.to_json() if self.loss_scaler else None,
         }
         return write_bundle(path, manifest, self._executable, self.state_dict())
 
@@ -195,9 +216,22 @@ def load_train_step(path: "str | os.PathLike") -> TrainStep:
                    optimizer=AdamW(opt["lr"], tuple(opt["betas"]), opt["eps"], opt["weight_decay"]),
                    loss_name=manifest["loss"],
                    moments={k: {n: state[f"adam_{k}/{n}"] for n in names} for k in "mv"},
-                   step_count=int(state["step"]), dropout=DropoutConfig.from_json(manifest["dropout"]))
+                   step_count=int(state["step"]), dropout=DropoutConfig.from_json(manifest["dropout"]),
+                   loss_scaler=LossScaler(**manifest["loss_scaler"]) if manifest.get("loss_scaler") else None)
     ts.lr, ts.memory, ts.checkpoint = manifest["lr"], manifest["memory"], manifest["checkpoint"]
     return ts
+
+
+def _loss_scaler(loss_scale, precision: str) -> LossScaler | None:
+    if loss_scale is None:
+        return LossScaler() if precision == "fp16" else None
+    if loss_scale is False:
+        return None
+    if loss_scale == "dynamic":
+        return LossScaler()
+    if isinstance(loss_scale, LossScaler):
+        return dataclasses.replace(loss_scale)
+    raise ValueError(f"loss_scale must be None, False, 'dynamic' or a LossScaler, got {loss_scale!r}")
 
 
 def _split_trainable(imported) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
@@ -216,7 +250,7 @@ def _split_trainable(imported) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
 
 def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = None, shapes: dict | None = None,
                    batch: int | None = None, seq: int | None = None, checkpoint=False, dropout: float = 0.0,
-                   fusion: str = "tvm", layout: str = "bshd"):
+                   fusion: str = "tvm", layout: str = "bshd", loss_scaling: bool = False):
     """The training stages before fusion: import with static shapes, split trainable weights, build the
     training module (train_graph). With fusion="paper" the paper's graph rewrites (merged QKV, transposes
     folded into the attention contractions) come before Gradient, so the backward pass has them too.
@@ -253,7 +287,7 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
         mod = fuse_stage.paper_graph_rewrites(layout)(mod)
     try:
         mod, sites = train_graph.training_module(mod, len(imported.inputs), loss, optimizer or AdamW(), checkpoint,
-                                                 dropout=bool(dropout))
+                                                 dropout=bool(dropout), loss_scaling=loss_scaling)
     except (tvm.error.InternalError, RuntimeError, ValueError) as err:
         first = str(err).strip().splitlines()[-1]
         raise TvmdmError(f"{source}: cannot differentiate the model: {first}") from None
@@ -263,7 +297,8 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
 def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None = None, target="llvm",
                        shapes: dict | None = None, batch: int | None = None, seq: int | None = None,
                        checkpoint=False, dropout: float = 0.0, seed: int = 0, fusion: str = "tvm",
-                       layout: str = "bshd", precision: str = "fp32", tuning_logs="shipped") -> TrainStep:
+                       layout: str = "bshd", precision: str = "fp32", loss_scale=None,
+                       tuning_logs="shipped") -> TrainStep:
     """Compile a training step for an ONNX model (path or ModelProto): an encoder layer, a full BERT, or a
     BertForSequenceClassification / MaskedLM export. The loss applies to the model's first output.
 
@@ -279,7 +314,9 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     backward, the paper's pattern kernels).
     precision: "fp32", or "bf16" (CPU): every contraction with a 2-D operand (forward, input gradients, weight
     gradients) reads bf16 operands with fp32 accumulation; weights, Adam moments, the loss and everything else
-    stay fp32 (the bf16 copies of the fp32 master weights are made each step).
+    stay fp32 (the bf16 copies of the fp32 master weights are made each step); "fp16" (CUDA): the same with
+    fp16 operands, and dynamic loss scaling.
+    loss_scale: None (dynamic for fp16, off otherwise), "dynamic", a LossScaler (its settings), or False.
     """
     from schedules.apply import kernels
     from tvmdm.build import _schedule
@@ -287,14 +324,12 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
 
     optimizer = optimizer or AdamW()
     check_precision(precision, make_target(target).kind.name)
-    if precision == "fp16":
-        raise ValueError("precision='fp16' training (fp16 compute with dynamic loss scaling) is not built yet; "
-                         "train in fp32, or in bf16 on CPU")
+    scaler = _loss_scaler(loss_scale, precision)
     timings = {}
     t0 = time.perf_counter()
     imported, mod, trainable, sites = training_graph(model, loss=loss, optimizer=optimizer, shapes=shapes,
                                                      batch=batch, seq=seq, checkpoint=checkpoint, dropout=dropout,
-                                                     fusion=fusion, layout=layout)
+                                                     fusion=fusion, layout=layout, loss_scaling=scaler is not None)
     timings["graph"] = time.perf_counter() - t0
     tvm_target = make_target(target)
     t0 = time.perf_counter()
@@ -306,12 +341,12 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     timings["build"] = time.perf_counter() - t0
     log.info("compiled training step of %s for %s: %d kernels (%d tuned); %s", imported.source, tvm_target.kind.name,
              len(kernels(mod)), len(tuned), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    target_ty = mod["loss_and_grads"].params[len(imported.inputs) + len(sites)].ty
+    target_ty = mod["loss_and_grads"].params[len(imported.inputs) + len(sites) + (scaler is not None)].ty
     step = TrainStep(executable, inputs=imported.inputs, outputs=imported.outputs, params=trainable,
                      target_kind=tvm_target.kind.name, index_bounds=imported.index_bounds,
                      target_spec=TensorSpec(TARGET_KEYS[0], tuple(int(d) for d in target_ty.shape), str(target_ty.dtype)),
                      optimizer=optimizer, loss_name=loss if isinstance(loss, str) else "custom",
-                     dropout=DropoutConfig(float(dropout), seed, sites))
+                     dropout=DropoutConfig(float(dropout), seed, sites), loss_scaler=scaler)
     step.timings, step.mod, step.imported = timings, mod, imported
     step.memory = memory_estimate(mod)
     step.checkpoint = checkpoint

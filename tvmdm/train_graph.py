@@ -75,8 +75,51 @@ def target_type(kind, output_type: relax.TensorType) -> relax.TensorType:
     return relax.TensorType(list(output_type.shape), output_type.dtype)
 
 
-def add_loss(mod: tvm.IRModule, loss, n_inputs: int) -> tvm.IRModule:
-    """Add ``loss(inputs..., target, weights...)``: main's body, then the loss of its first output."""
+@dataclasses.dataclass
+class LossScaler:
+    """Dynamic loss scaling as torch.cuda.amp.GradScaler does it: the loss is multiplied by ``scale`` before the
+    backward pass (small fp16 gradients stay representable), the gradients divided by it before the update; a
+    step whose gradients are not all finite is skipped and halves the scale; ``interval`` finite steps in a
+    row double it."""
+
+    scale: float = 2.0 ** 16
+    growth: float = 2.0
+    backoff: float = 0.5
+    interval: int = 2000
+    good_steps: int = 0
+    skipped: int = 0
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.scale *= self.backoff
+            self.good_steps = 0
+            self.skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.interval:
+            self.scale *= self.growth
+            self.good_steps = 0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+LOSS_SCALE = "loss_scale"  # the scalar input a loss-scaled training module takes after the inputs (and masks)
+
+
+def add_loss_scale_input(mod: tvm.IRModule, n_inputs: int) -> tvm.IRModule:
+    """main(inputs, weights) -> main(inputs, loss_scale, weights); main does not read it: add_loss does."""
+    main = mod["main"]
+    scale = relax.Var(LOSS_SCALE, relax.TensorType([], "float32"))
+    params = list(main.params[:n_inputs]) + [scale] + list(main.params[n_inputs:])
+    out = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)
+    out["main"] = relax.Function(params, main.body, main.ret_ty, attrs=main.attrs)
+    return out
+
+
+def add_loss(mod: tvm.IRModule, loss, n_inputs: int, loss_scaling: bool = False) -> tvm.IRModule:
+    """Add ``loss(inputs..., target, weights...)``: main's body, then the loss of its first output. With
+    ``loss_scaling`` it returns (loss times the ``loss_scale`` input, the last of the inputs; the loss)."""
     main = mod["main"]
     inputs, weights = list(main.params[:n_inputs]), list(main.params[n_inputs:])
     out_type = main.ret_ty.fields[0] if isinstance(main.ret_ty, relax.TupleType) else main.ret_ty
@@ -91,20 +134,45 @@ def add_loss(mod: tvm.IRModule, loss, n_inputs: int) -> tvm.IRModule:
             result = _emit_body(bb, main)
             output = result.fields[0] if isinstance(result, relax.Tuple) else result
             value = bb.emit_output(loss_expr(loss, output, target))
+            if loss_scaling:  # (scaled loss: differentiated; the loss itself: reported, finite when that is not)
+                value = relax.Tuple([bb.emit_output(relax.op.multiply(value, inputs[-1])), value])
         bb.emit_func_output(value)
     return bb.get()
 
 
-def add_train_step(mod: tvm.IRModule, n_inputs: int, optimizer: AdamW) -> tvm.IRModule:
+def _emit_unscale_and_guard(bb, scale, losses, grads, old: list):
+    """Loss scaling in train_step: gradients divided by the scale, and the update (``old`` -> new values) kept
+    only when every gradient is finite. ``losses``: (scaled loss, loss). Returns (loss, grads,
+    guard(new_values) -> values, non-finite count)."""
+    def c(value):
+        return relax.const(value, "float32")
+
+    grads = [bb.emit(relax.op.divide(g, scale)) for g in grads]
+    bad = None
+    for g in grads:
+        count = bb.emit(relax.op.sum(relax.op.astype(relax.op.logical_not(relax.op.isfinite(g)), "float32")))
+        bad = count if bad is None else bb.emit(relax.op.add(bad, count))
+    finite = bb.emit(relax.op.equal(bad, c(0.0)))
+
+    def guard(new_values):
+        return [bb.emit(relax.op.where(finite, new, prev)) for new, prev in zip(new_values, old)]
+
+    return bb.emit(relax.TupleGetItem(losses, 1)), grads, guard, bad
+
+
+def add_train_step(mod: tvm.IRModule, n_inputs: int, optimizer: AdamW, loss_scaling: bool = False) -> tvm.IRModule:
     """Differentiate ``loss`` w.r.t. the weights and add ``train_step``: gradient + AdamW, one dataflow block.
     Returns a module of ``main`` (inference), ``loss_and_grads`` (no update), ``train_step`` and
-    ``apply_update`` (the AdamW update of given gradients, for data-parallel training)."""
+    ``apply_update`` (the AdamW update of given gradients, for data-parallel training). With ``loss_scaling``
+    the last input is the loss scale: loss_and_grads returns the scaled loss and gradients, train_step unscales
+    them, skips the update unless they are all finite, and returns the number of non-finite values last."""
     from tvmdm import compat
 
     compat.register_missing_gradients()
     loss = mod["loss"]
     weights = list(loss.params[n_inputs + 1:])
-    adjoint = relax.transform.Gradient("loss", require_grads=weights)(mod)["loss_adjoint"]
+    # With loss scaling, loss returns (scaled loss, loss): the scaled one (index 0) is differentiated.
+    adjoint = relax.transform.Gradient("loss", require_grads=weights, target_index=0)(mod)["loss_adjoint"]
     adjoint = relax.utils.copy_with_new_vars(adjoint)  # fresh vars: no sharing with main / loss
     fixed, weights = list(adjoint.params[:n_inputs + 1]), list(adjoint.params[n_inputs + 1:])
     moments = [_vars_like(kind, weights) for kind in ("m", "v")]
@@ -119,8 +187,14 @@ def add_train_step(mod: tvm.IRModule, n_inputs: int, optimizer: AdamW) -> tvm.IR
             loss_value, grads = result.fields[0], result.fields[1]
             grads = [grads.fields[i] if isinstance(grads, relax.Tuple) else bb.emit(relax.TupleGetItem(grads, i))
                      for i in range(len(weights))]
+            if loss_scaling:
+                loss_value, grads, guard, bad = _emit_unscale_and_guard(bb, fixed[n_inputs - 1], loss_value, grads,
+                                                                        weights + moments[0] + moments[1])
             updated = _emit_adamw(bb, optimizer, weights, grads, *moments, decay, step_size, bc2_sqrt)
-            out = bb.emit_output(relax.Tuple([loss_value, *updated]))
+            extra = []
+            if loss_scaling:
+                updated, extra = guard(updated), [bad]
+            out = bb.emit_output(relax.Tuple([loss_value, *updated, *extra]))
         bb.emit_func_output(out)
     # The update alone, for data-parallel training: gradients all-reduced between loss_and_grads and this.
     weights2, grads2, *moments2 = [_vars_like(kind, weights) for kind in ("w", "g", "m", "v")]
@@ -161,7 +235,7 @@ def _emit_adamw(bb, optimizer: AdamW, weights, grads, ms, vs, decay, step_size, 
 
 
 def training_module(mod: tvm.IRModule, n_inputs: int, loss, optimizer: AdamW, checkpoint=False,
-                    dropout: bool = False) -> tuple[tvm.IRModule, list]:
+                    dropout: bool = False, loss_scaling: bool = False) -> tuple[tvm.IRModule, list]:
     """main(inputs, weights) -> (a module of main, loss_and_grads and train_step; the dropout sites).
 
     ``checkpoint`` ("attention", "layer" or False) marks the regions the backward pass recomputes instead of
@@ -173,9 +247,13 @@ def training_module(mod: tvm.IRModule, n_inputs: int, loss, optimizer: AdamW, ch
     mod = compat.flatten_take_indices()(mod)
     train_mod, sites = insert_dropout(mod, n_inputs) if dropout else (mod, [])
     n_graph_inputs = n_inputs + len(sites)  # the masks travel with the inputs
-    with_loss = add_loss(insert_checkpoints(checkpoint, n_graph_inputs)(train_mod), loss, n_graph_inputs)
+    if loss_scaling:  # and so does the loss scale, after them
+        train_mod = add_loss_scale_input(train_mod, n_graph_inputs)
+        n_graph_inputs += 1
+    with_loss = add_loss(insert_checkpoints(checkpoint, n_graph_inputs)(train_mod), loss, n_graph_inputs,
+                         loss_scaling)
     with_loss["main"] = mod["main"]  # inference: no dropout, no checkpoint markers
-    return add_train_step(with_loss, n_graph_inputs, optimizer), sites
+    return add_train_step(with_loss, n_graph_inputs, optimizer, loss_scaling), sites
 
 
 def tie_transposed_copies(mod: tvm.IRModule, n_inputs: int, weights: dict) -> tuple[tvm.IRModule, dict, dict]:
