@@ -12,8 +12,9 @@ right operand is a 2-D weight (a parameter, or its transpose) becomes three kern
   bf16_gemm    C (fp32) = sum_k bf16(x) * bf16(W): its block is scheduled by schedules.bf16 with the
                vdpbf16ps micro-kernel; bias / GELU / residual epilogues that FuseOps fuses into it stay fp32.
 
-Everything else (LayerNorm, softmax and its statistics, residual sums, the attention's batched contractions,
-model inputs and outputs) stays fp32. The bf16 values live in uint16 tensors: TVM 0.27's LLVM backend cannot
+The attention's batched contractions ([B, h, S, d] x [B, h, d, S] and back) take the same kernels with their right
+operand packed per call ("bgemm"); under fusion="paper" they are einsums and stay fp32. Everything else
+(LayerNorm, softmax and its statistics, residual sums, model inputs and outputs) stays fp32. The bf16 values live in uint16 tensors: TVM 0.27's LLVM backend cannot
 compile bfloat16 buffers natively (see schedules/bf16.py), and uint16 keeps their bits exact.
 """
 from __future__ import annotations
@@ -78,28 +79,31 @@ def _private(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.without_attr("global_symbol") if func.attrs and "global_symbol" in func.attrs else func
 
 
-def pack_bf16_func(k: int, n: int, transposed: bool) -> tirx.PrimFunc:
-    """W [K, N] (or W^T [N, K] when ``transposed``) -> bf16 bits [N/16, K/2, 16, 2]."""
-    w = te.placeholder(_i64((n, k) if transposed else (k, n)), "float32", name="w")
+def pack_bf16_func(k: int, n: int, transposed: bool, batch=()) -> tirx.PrimFunc:
+    """W [batch..., K, N] (or [batch..., N, K] when ``transposed``) -> bf16 bits [batch..., N/16, K/2, 16, 2]."""
+    batch = tuple(batch)
+    w = te.placeholder(_i64(batch + ((n, k) if transposed else (k, n))), "float32", name="w")
 
-    def element(no, ko, ni, ki):
+    def element(*idx):
+        *b, no, ko, ni, ki = idx
         row, col = ko * PAIR + ki, no * LANES + ni
-        return bf16_bits(w[col, row] if transposed else w[row, col])
+        return bf16_bits(w(*b, col, row) if transposed else w(*b, row, col))
 
-    out = te.compute(_i64((n // LANES, k // PAIR, LANES, PAIR)), element, name="pack_bf16")
+    out = te.compute(_i64(batch + (n // LANES, k // PAIR, LANES, PAIR)), element, name="pack_bf16")
     return _private(te.create_prim_func([w, out]))
 
 
-def gemm_func(lead, k: int, n: int) -> tirx.PrimFunc:
-    """C[lead..., N] (fp32) = A[lead..., K] (bf16 bits) x packed W (bf16 bits), block ``GEMM_BLOCK``."""
+def gemm_func(lead, k: int, n: int, batch: int = 0) -> tirx.PrimFunc:
+    """C[lead..., N] (fp32) = A[lead..., K] (bf16 bits) x packed W (bf16 bits), block ``GEMM_BLOCK``. With
+    ``batch`` > 0, W has the first ``batch`` dims of ``lead`` in front (batched contractions: attention)."""
     a = te.placeholder(_i64(tuple(lead) + (k,)), BITS, name="a")
-    w = te.placeholder(_i64((n // LANES, k // PAIR, LANES, PAIR)), BITS, name="w")
+    w = te.placeholder(_i64(tuple(lead[:batch]) + (n // LANES, k // PAIR, LANES, PAIR)), BITS, name="w")
     r = te.reduce_axis((tirx.IntImm("int64", 0), tirx.IntImm("int64", k)), name="k")
 
     def element(*idx):
         *rows, col = idx
         return te.sum(bf16_value(a(*rows, r)) *
-                      bf16_value(w[col // LANES, r // PAIR, col % LANES, r % PAIR]), axis=r)
+                      bf16_value(w(*rows[:batch], col // LANES, r // PAIR, col % LANES, r % PAIR)), axis=r)
 
     out = te.compute(_i64(tuple(lead) + (n,)), element, name=GEMM_BLOCK)
     # A contraction with element-wise epilogues: FuseOps may fuse bias / GELU / residual after it.
@@ -217,6 +221,17 @@ def _weight_gradient(value, bindings: dict, users: dict):
     return mm, x, dy, rows
 
 
+def _batched(x, w):
+    """("bgemm", x, w, x shape, K, N) for a batched contraction of activations with equal batch dims (the
+    attention's scores and context: [B, h, S, d] x [B, h, d, S]); its right operand is packed per call."""
+    xs, ws = _static(x.ty.shape), _static(w.ty.shape)
+    if xs is None or ws is None or len(xs) < 3 or len(xs) != len(ws) or xs[:-2] != ws[:-2] or xs[-1] != ws[-2] \
+            or x.ty.dtype != "float32" or w.ty.dtype != "float32":
+        return None
+    k, n = ws[-2], ws[-1]
+    return ("bgemm", x, w, xs, k, n) if n % LANES == 0 and k % PAIR == 0 else None
+
+
 def _plan(func: relax.Function, weights: set | None) -> tuple[dict, set]:
     """The contractions to rewrite: var -> ("gemm", x, (w, transposed), x shape, K, N) or ("wgrad", x, dy, rows,
     K, N); and the matmul vars a "wgrad" replaces. ``weights`` None (training): every 2-D right operand and the
@@ -237,6 +252,10 @@ def _plan(func: relax.Function, weights: set | None) -> tuple[dict, set]:
         if call_op(value) != "relax.matmul":
             continue
         x, w = value.args
+        batched = _batched(x, w)
+        if batched is not None:
+            targets[var] = batched
+            continue
         operand = _2d_operand(w, bindings) if weights is None else _weight_operand(w, weights, bindings, seen)
         if operand is None or x.ty.dtype != "float32" or operand[0].ty.dtype != "float32":
             continue
@@ -292,13 +311,14 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
                     gv, [self.visit_expr(x)], relax.TensorType(shape, BITS)))
             return self.converted[(x, key)]
 
-        def _pack(self, w, k, n, transposed):
+        def _pack(self, w, k, n, transposed, batch=()):
             bb = self.builder_
-            pack = bb.add_func(pack_bf16_func(k, n, transposed), "pack_bf16")
-            return bb.emit(relax.call_tir(pack, [w], relax.TensorType((n // LANES, k // PAIR, LANES, PAIR), BITS)))
+            pack = bb.add_func(pack_bf16_func(k, n, transposed, batch), "pack_bf16")
+            shape = list(batch) + [n // LANES, k // PAIR, LANES, PAIR]
+            return bb.emit(relax.call_tir(pack, [w], relax.TensorType(shape, BITS)))
 
-        def _gemm(self, a_bits, packed, lead, k, n):
-            gemm = self.builder_.add_func(gemm_func(lead, k, n), GEMM_BLOCK)
+        def _gemm(self, a_bits, packed, lead, k, n, batch=0):
+            gemm = self.builder_.add_func(gemm_func(lead, k, n, batch), GEMM_BLOCK)
             return self.builder_.emit(relax.call_tir(gemm, [a_bits, packed], relax.TensorType(list(lead) + [n],
                                                                                                "float32")))
 
@@ -314,6 +334,12 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
                 packed = self._pack(self.visit_expr(w), k, n, transposed)
                 a_bits = self._convert(x, to_bf16_func, x_shape, "to_bf16")
                 out = self._gemm(a_bits, packed, x_shape[:-1], k, n)
+            elif kind == "bgemm":
+                _, _, w, x_shape, k, n = target
+                batch = x_shape[:-2]
+                packed = self._pack(self.visit_expr(w), k, n, False, batch)
+                a_bits = self._convert(x, to_bf16_func, x_shape, "to_bf16")
+                out = self._gemm(a_bits, packed, x_shape[:-1], k, n, len(batch))
             else:  # dW = X^T dY over every row
                 _, _, dy, rows, k, n = target
                 flat = self.builder_.emit(relax.op.reshape(self.visit_expr(dy), [rows, n]))
