@@ -48,7 +48,8 @@ def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False,
     if symbolic:
         raise ValueError(f"inputs {symbolic} have symbolic dims: bind them (--batch/--seq or --shape NAME=D0xD1); "
                          "tuning measures one concrete size")
-    fused = fuse.fuse(mod, fusion, layout=layout, lift_params=not train, precision=precision)
+    fused = fuse.fuse(mod, fusion, layout=layout, lift_params=not train, precision=precision,
+                      target_kind=tvm_target.kind.name)
     # Weight packing (main_transform_params) runs once at load: nothing there is worth a trial.
     fused = tvm.IRModule({gv: f for gv, f in fused.functions_items() if gv.name_hint != TRANSFORM_PARAMS})
     tasks = ms.relax_integration.extract_tasks(fused, tvm_target)

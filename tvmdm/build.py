@@ -125,8 +125,9 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     fusion: "paper" (the paper's fusion rules, then stock FuseOps), "tvm" (stock FuseOps) or "none".
     layout: the attention's Q/K/V/context layout under fusion="paper": "bshd" (read and written where the
     projections put them, no transposes) or "bhsd" (head-major copies, as the ONNX graph writes).
-    precision: "fp32"; "bf16" (CPU): the weight contractions read bf16 operands with fp32 accumulation
-    (AVX512-BF16; needs static shapes); "fp16" (CUDA): they read fp16 operands (tensor cores), fp32 out.
+    precision: "fp32"; "bf16" (CPU): the contractions read bf16 operands with fp32 accumulation
+    (AVX512-BF16; needs static shapes); "fp16" (CUDA): they read fp16 operands (tensor cores), fp32 out;
+    "bf16" on CUDA: bf16 operands (dlight has no bf16 tensor-core rule: SIMT kernels).
     Everything else stays fp32; see tvmdm.precision.
     tuning_logs: "shipped" (the logs in tuning_logs/ tuned for this target kind), a log directory or a list
     of them, or None. Kernels without a record get our default schedule. Tuned records are for static
@@ -140,14 +141,15 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     timings = {}
     t0 = time.perf_counter()
     imported = _import(model, shapes, params)
-    if precision == "bf16":
+    if precision == "bf16" and make_target(target).kind.name == "llvm":
         check_static_shapes(imported.mod)
     timings["import"] = time.perf_counter() - t0
     tvm_target = make_target(target)
     t0 = time.perf_counter()
     provenance: dict[str, list[str]] = {}
     read_fractions: dict[str, dict[int, float]] = {}
-    mod = fuse_stage.fuse(imported.mod, fusion, provenance, layout, read_fractions, precision=precision)
+    mod = fuse_stage.fuse(imported.mod, fusion, provenance, layout, read_fractions, precision=precision,
+                          target_kind=tvm_target.kind.name)
     mod, tuned = _schedule(mod, tvm_target, tuning_logs)
     kernel_ops = {k: provenance.get(k, [fuse_stage.op_name(k)]) for k in kernels(mod)}
     timings["fuse+schedule"] = time.perf_counter() - t0

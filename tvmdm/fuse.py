@@ -280,12 +280,12 @@ def paper_graph_rewrites(layout: str = "bshd") -> tvm.transform.Pass:
 
 
 def graph_passes(fusion: str, layout: str = "bshd", read_fractions: dict | None = None, lift_params: bool = True,
-                 precision: str = "fp32") -> list:
+                 precision: str = "fp32", target_kind: str = "llvm") -> list:
     """Graph-level passes before lowering: the paper's rewrites, the precision rewrite (bf16 contractions see the
     merged QKV), weight-only work lifted to main_transform_params, then the paper's pattern fusion.
     ``lift_params``: lift (inference only: a training step changes its weights every step)."""
     passes = [paper_graph_rewrites(layout)] if fusion == "paper" else []
-    passes += precision_passes(precision, training=not lift_params)
+    passes += precision_passes(precision, training=not lift_params, target_kind=target_kind)
     if lift_params and (fusion == "paper" or precision != "fp32"):
         passes.append(relax.transform.LiftTransformParams())
     if fusion == "paper":
@@ -296,13 +296,13 @@ def graph_passes(fusion: str, layout: str = "bshd", read_fractions: dict | None 
 
 def fusion_pipeline(fusion: str = "tvm", provenance: dict | None = None, layout: str = "bshd",
                     read_fractions: dict | None = None, lift_params: bool = True,
-                    precision: str = "fp32") -> tvm.transform.Pass:
+                    precision: str = "fp32", target_kind: str = "llvm") -> tvm.transform.Pass:
     """The Sequential pass for a fusion level; ``provenance`` (a dict) receives kernel -> ops,
     ``read_fractions`` kernel -> {input index: share of it read} (see record_read_fractions)."""
     if fusion not in FUSION_LEVELS:
         raise ValueError(f"unknown fusion level {fusion!r}; choose one of {list(FUSION_LEVELS)}")
     provenance = {} if provenance is None else provenance
-    passes = graph_passes(fusion, layout, read_fractions, lift_params, precision) + lowering_passes()
+    passes = graph_passes(fusion, layout, read_fractions, lift_params, precision, target_kind) + lowering_passes()
     if fusion in ("tvm", "paper"):
         passes += [relax.transform.FuseOps(), record_kernel_ops(provenance), relax.transform.FuseTIR()]
         if fusion == "paper":
@@ -315,5 +315,6 @@ def fusion_pipeline(fusion: str = "tvm", provenance: dict | None = None, layout:
 
 
 def fuse(mod: tvm.IRModule, fusion: str = "tvm", provenance: dict | None = None, layout: str = "bshd",
-         read_fractions: dict | None = None, lift_params: bool = True, precision: str = "fp32") -> tvm.IRModule:
-    return fusion_pipeline(fusion, provenance, layout, read_fractions, lift_params, precision)(mod)
+         read_fractions: dict | None = None, lift_params: bool = True, precision: str = "fp32",
+         target_kind: str = "llvm") -> tvm.IRModule:
+    return fusion_pipeline(fusion, provenance, layout, read_fractions, lift_params, precision, target_kind)(mod)

@@ -28,7 +28,7 @@ from tvmdm.graph_rewrites import call_op
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Which target kinds each reduced precision is built for (its kernels and schedules are target-specific).
-PRECISION_TARGETS = {"bf16": ("llvm",), "fp16": ("cuda",)}
+PRECISION_TARGETS = {"bf16": ("llvm", "cuda"), "fp16": ("cuda",)}
 # The documented accuracy of precision="bf16": max |out - out_fp32| / max |out_fp32| per output, vs onnxruntime
 # fp32 (tests check it on tiny layers; bf16 keeps 8 bits of mantissa, a relative rounding of 2^-9 per operand).
 BF16_MAX_REL_ERR = 1e-2
@@ -44,7 +44,7 @@ def check_precision(precision: str, target_kind: str | None = None) -> str:
         raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
     kinds = PRECISION_TARGETS.get(precision)
     if kinds and target_kind is not None and target_kind not in kinds:
-        other = {"llvm": "bf16", "cuda": "fp16"}.get(target_kind)
+        other = {"llvm": "bf16"}.get(target_kind)
         raise ValueError(f"precision={precision!r} is built for {'/'.join(kinds)} targets, not {target_kind}"
                          + (f"; use precision={other!r} there" if other else ""))
     return precision
@@ -358,8 +358,9 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
 
 
 def half_contractions(dtype: str = "float16", training: bool = False) -> tvm.transform.Pass:
-    """CUDA: matmul(x, W) with W a weight -> matmul(x as fp16, W as fp16, out_dtype=fp32). dlight's Matmul rule
-    schedules such a kernel on tensor cores (WMMA) when every dim exceeds 64 (sm_70 and later); the weight's
+    """CUDA: matmul(x, W) with W a weight -> matmul(x as fp16, W as fp16, out_dtype=fp32) (or bf16). dlight's
+    Matmul rule schedules an fp16 one on tensor cores (WMMA) when every dim exceeds 64 (sm_70 and later; it has
+    no bf16 tensor-core rule); the weight's
     cast is weight-only, so LiftTransformParams makes it once at load. ``training``: every fp32 contraction of
     every function (forward and backward; the fp32 master weights are cast each step)."""
 
@@ -401,9 +402,13 @@ def _half_function(mod: tvm.IRModule, name: str, dtype: str, training: bool) -> 
     return out
 
 
-def precision_passes(precision: str = "fp32", training: bool = False) -> list:
+def precision_passes(precision: str = "fp32", training: bool = False, target_kind: str = "llvm") -> list:
     """The graph passes for ``precision``, run before fusion (then LiftTransformParams packs the weights once,
-    for inference). ``training``: the module is a training step (tvmdm.train)."""
-    check_precision(precision)
-    return {"fp32": [], "bf16": [bf16_contractions(training)],
-            "fp16": [half_contractions("float16", training)]}[precision]
+    for inference). ``training``: the module is a training step (tvmdm.train). CPU bf16 has its own packed
+    kernels; on CUDA both half types are casts around the contractions, left to dlight."""
+    check_precision(precision, target_kind)
+    if precision == "fp32":
+        return []
+    if precision == "bf16" and target_kind == "llvm":
+        return [bf16_contractions(training)]
+    return [half_contractions({"bf16": "bfloat16", "fp16": "float16"}[precision], training)]

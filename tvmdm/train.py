@@ -333,7 +333,8 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     timings["graph"] = time.perf_counter() - t0
     tvm_target = make_target(target)
     t0 = time.perf_counter()
-    mod = fuse_stage.fuse(mod, fusion, layout=layout, lift_params=False, precision=precision)
+    mod = fuse_stage.fuse(mod, fusion, layout=layout, lift_params=False, precision=precision,
+                          target_kind=tvm_target.kind.name)
     mod, tuned = _schedule(mod, tvm_target, tuning_logs)
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
