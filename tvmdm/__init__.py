@@ -1,14 +1,16 @@
 """tvmdm: BERT training and inference on Apache TVM, made fast by cutting data movement.
 
 Public API:
-    compile(model, *, target="llvm", shapes=None, tuning_logs=None, fusion="tvm") -> Compiled
+    compile(model, *, target="llvm", shapes=None, tuning_logs="shipped", fusion="tvm", layout="bshd",
+            precision="fp32" | "bf16" (CPU, AVX512-BF16) | "fp16" (CUDA)) -> Compiled
     load(path) -> runner of an exported artifact (no onnx needed)
     analyze(model_or_compiled, fusion=, shapes=, measure=) -> Report: per-kernel flops / bytes / class
     default_model(name), default_dims(name): the embedded BERT models (ONNX, seeded weights)
     random_inputs(compiled, batch=, seq=): synthetic inputs for any compiled or loaded model
     compile_train_step(model, loss=, optimizer=AdamW(...), batch=, seq=) -> TrainStep: forward + loss +
         backward + AdamW compiled into one step; load_train_step(path) resumes an exported one;
-        DataParallel(step) averages its gradients over a torch.distributed group
+        DataParallel(step) averages its gradients over a torch.distributed group; precision="bf16" / "fp16"
+        and LossScaler (dynamic loss scaling) for mixed-precision training
 """
 from tvmdm import compat as _compat
 
