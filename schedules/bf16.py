@@ -17,10 +17,11 @@ import warnings
 import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule, TensorIntrin
+from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.script import tirx as T
 
-from tvm.s_tir.analysis import estimate_tir_flops
-
+from schedules.apply import is_scheduled
+from schedules.default import inline_elementwise
 from tvmdm import compat
 from tvmdm.precision import GEMM_BLOCK, LANES, PAIR, TRANSPOSED_BLOCK, bf16_value
 from tvmdm.profile import FLOPS_ATTR
@@ -28,7 +29,6 @@ from tvmdm.profile import FLOPS_ATTR
 INTRIN = "tvmdm_dot_16x2_bf16"
 CPU_FEATURE = "avx512bf16"  # LLVM's name; /proc/cpuinfo says avx512_bf16
 K_BLOCK = 256  # accumulate over this much of K before moving on (the tile's operands stay in L1/L2)
-
 
 
 @T.prim_func(s_tir=True)
@@ -73,8 +73,10 @@ def schedule_bf16_gemm(func: tirx.PrimFunc, rows: int | None = None, vectors: in
     """The micro-kernel schedule for a kernel holding a ``bf16_gemm`` block (and fused epilogues).
     ``rows`` x ``vectors`` x 16 accumulators per tile (default: 4 x 4, or what divides the shape)."""
     sch = Schedule(func)
+    # The element-wise blocks between the contraction and the outputs (bias add, GELU's pieces) are inlined
+    # into their readers: one epilogue expression per output.
+    inline_elementwise(sch, sch.get_sblock("root"))
     gemm = sch.get_sblock(GEMM_BLOCK)
-    _inline_epilogue_intermediates(sch, gemm)
     # Tiles of `rows` consecutive rows of the last leading axis (fusing the leading axes first would give
     # bindings that tensorize cannot blockize).
     *outer, m, n, k = sch.get_loops(gemm)
@@ -98,21 +100,6 @@ def schedule_bf16_gemm(func: tirx.PrimFunc, rows: int | None = None, vectors: in
     sch.vectorize(sch.get_loops(init)[-1])
     _epilogue_into_tile(sch, acc, tile)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
-
-
-def _inline_epilogue_intermediates(sch, gemm) -> None:
-    """Inline the element-wise blocks between the contraction and the kernel's outputs (bias add, GELU's
-    pieces) into their readers: one epilogue expression per output."""
-    root = sch.get_sblock("root")
-    blocks = sch.get_child_blocks(root)
-    gemm_name = sch.get(gemm).name_hint
-    for block in blocks[:-1]:
-        if sch.get(block).name_hint == gemm_name:
-            continue
-        try:
-            sch.compute_inline(block)
-        except Exception:  # noqa: BLE001 - an output or a reduction: it stays a block
-            pass
 
 
 def _epilogue_into_tile(sch, acc, tile) -> None:
@@ -164,7 +151,7 @@ def apply_bf16_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[
                           "generic fp32 schedule (same results, slower)", stacklevel=3)
         return mod, done
     for gv, func in list(mod.functions.items()):
-        if not isinstance(func, tirx.PrimFunc) or (func.attrs and func.attrs.get("tirx.is_scheduled", False)):
+        if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
             continue
         if _has_block(func, TRANSPOSED_BLOCK):
             try:

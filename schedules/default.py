@@ -57,6 +57,19 @@ def _schedule_block(sch, block) -> None:
         _vectorize_inner(sch, sch.get_loops(init)[-1])
 
 
+def inline_elementwise(sch, root) -> list[str]:
+    """Inline every block but the last into its consumers where it is element-wise (fewer blocks, fewer passes
+    over memory); returns the names of the blocks left, in order."""
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
+    for name in list(names[:-1]):
+        try:
+            sch.compute_inline(sch.get_sblock(name))
+            names.remove(name)
+        except Exception:  # noqa: BLE001 - not inlinable (a reduction, several consumers): keep the block
+            pass
+    return names
+
+
 def cpu_default_schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """Parallel (and where possible vectorized) version of an unscheduled LegalizeOps kernel."""
     sch = sch_mod.Schedule(func)
@@ -64,15 +77,7 @@ def cpu_default_schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
         root = sch.get_sblock("root")
     except sch_mod.ScheduleError:  # hand-written kernels (e.g. take's gradient, a te.extern) have no block tree
         return func.with_attr("tirx.is_scheduled", True)
-    names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
-    # Inline element-wise producers first: fewer blocks, fewer passes over memory.
-    for name in list(names[:-1]):
-        try:
-            sch.compute_inline(sch.get_sblock(name))
-            names.remove(name)
-        except Exception:  # noqa: BLE001 - not inlinable (a reduction, several consumers): keep the block
-            pass
-    for name in names:
+    for name in inline_elementwise(sch, root):
         state = sch.mod
         try:
             _schedule_block(sch, sch.get_sblock(name))

@@ -137,20 +137,20 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
         raise TypeError(f"compile() got unknown options {sorted(options)}")
     from schedules.apply import kernels
 
-    check_precision(precision, make_target(target).kind.name)
+    tvm_target = make_target(target)
+    check_precision(precision, tvm_target.kind.name)
     timings = {}
     t0 = time.perf_counter()
     imported = _import(model, shapes, params)
-    if precision == "bf16" and make_target(target).kind.name == "llvm":
+    if precision == "bf16" and tvm_target.kind.name == "llvm":
         check_static_shapes(imported.mod)
     timings["import"] = time.perf_counter() - t0
-    tvm_target = make_target(target)
     t0 = time.perf_counter()
     provenance: dict[str, list[str]] = {}
     read_fractions: dict[str, dict[int, float]] = {}
     mod = fuse_stage.fuse(imported.mod, fusion, provenance, layout, read_fractions, precision=precision,
                           target_kind=tvm_target.kind.name)
-    mod, tuned = _schedule(mod, tvm_target, tuning_logs)
+    mod, tuned = _schedule(mod, tvm_target, tuning_logs, precision)
     kernel_ops = {k: provenance.get(k, [fuse_stage.op_name(k)]) for k in kernels(mod)}
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -174,15 +174,16 @@ def _import(model, shapes, params):
     return import_onnx(model, shapes=shapes)
 
 
-def _schedule(mod, target, tuning_logs) -> tuple[tvm.IRModule, list[str]]:
-    """Tuned records where the logs have them, our default schedules for every other kernel."""
+def _schedule(mod, target, tuning_logs, precision: str = "fp32") -> tuple[tvm.IRModule, list[str]]:
+    """Tuned records where the logs have them, our default schedules for every other kernel; under CPU bf16
+    first the hand-written schedules of its contractions and conversions."""
     from schedules import apply_default_schedules, apply_tuning_logs, shipped_logs
     from schedules.bf16 import apply_bf16_schedules
 
     if tuning_logs == "shipped":
         tuning_logs = shipped_logs(target.kind.name)
     tuned = []
-    if target.kind.name == "llvm":
+    if precision == "bf16" and target.kind.name == "llvm":
         mod, _ = apply_bf16_schedules(mod, target)  # hand-written micro-kernel: no log needed
     if tuning_logs:
         mod, tuned = apply_tuning_logs(mod, target, tuning_logs)

@@ -27,11 +27,12 @@ def _rank(expr) -> int | None:
     return None if shape is None else len(shape.values)
 
 
-def _bindings(func: relax.Function) -> dict:
+def bindings_of(func: relax.Function) -> dict:
+    """var -> bound value, over every binding block of ``func``."""
     return {b.var: b.value for block in func.body.blocks for b in block.bindings}
 
 
-def _users(func: relax.Function) -> dict:
+def users_of(func: relax.Function) -> dict:
     """var -> number of bindings (and the function result) that read it."""
     counts: dict = {}
 
@@ -126,7 +127,7 @@ def merge_qkv() -> tvm.transform.Pass:
 
     @_main_pass("MergeQKV")
     def rewrite(mod, func):
-        values, users = _bindings(func), _users(func)
+        values, users = bindings_of(func), users_of(func)
         groups = _projection_groups(func, users)
         if not groups:
             return None
@@ -198,8 +199,8 @@ def absorb_transposes(qkv: str = "bshd", ctx: str = "bshd") -> tvm.transform.Pas
 
     @_main_pass("AbsorbTransposes")
     def rewrite(mod, func):
-        values = _bindings(func)
-        users = _users(func)
+        values = bindings_of(func)
+        users = users_of(func)
 
         def unpermute(var):
             """(source, axes) with permute chains of single-use vars followed back; axes None: no permute."""

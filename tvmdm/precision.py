@@ -12,10 +12,11 @@ right operand is a 2-D weight (a parameter, or its transpose) becomes three kern
   bf16_gemm    C (fp32) = sum_k bf16(x) * bf16(W): its block is scheduled by schedules.bf16 with the
                vdpbf16ps micro-kernel; bias / GELU / residual epilogues that FuseOps fuses into it stay fp32.
 
-The attention's batched contractions ([B, h, S, d] x [B, h, d, S] and back) take the same kernels with their right
-operand packed per call ("bgemm"); under fusion="paper" they are einsums and stay fp32. Everything else
-(LayerNorm, softmax and its statistics, residual sums, model inputs and outputs) stays fp32. The bf16 values live in uint16 tensors: TVM 0.27's LLVM backend cannot
-compile bfloat16 buffers natively (see schedules/bf16.py), and uint16 keeps their bits exact.
+The attention's batched contractions ([B, h, S, d] x [B, h, d, S] and back) take the same kernels with their
+right operand packed per call; under fusion="paper" they are einsums and stay fp32. Everything else
+(LayerNorm, softmax and its statistics, residual sums, model inputs and outputs) stays fp32. The bf16 values
+live in uint16 tensors: TVM 0.27's LLVM backend cannot compile bfloat16 vectors into the dot product (see
+compat), and uint16 keeps their bits exact.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from tvmdm.errors import ShapeError
-from tvmdm.graph_rewrites import call_op
+from tvmdm.graph_rewrites import bindings_of, call_op, users_of
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Which target kinds each reduced precision is built for (its kernels and schedules are target-specific).
@@ -119,42 +120,46 @@ def _static(shape) -> list[int] | None:
     return dims
 
 
+def _weights(func: relax.Function) -> set:
+    """The parameters of ``func`` after its inputs (its "num_input" attribute): the model's weights."""
+    n_in = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
+    return set(func.params[n_in:])
+
+
 def _weight_only(value, weights: set, bindings: dict, seen: dict) -> bool:
     """Whether ``value`` is computed from weights alone (a weight, or e.g. the merged QKV's concat of weights)."""
-    if value in seen:
-        return seen[value]
-    if value in weights:
-        result = True
-    elif isinstance(value, relax.Var) and value in bindings:
-        free = relax.analysis.free_vars(bindings[value]) if not isinstance(bindings[value], relax.Var) else [bindings[value]]
-        result = all(_weight_only(v, weights, bindings, seen) for v in free)
-    else:
-        result = False
-    seen[value] = result
-    return result
+    if value not in seen:
+        if value in weights:
+            seen[value] = True
+        elif isinstance(value, relax.Var) and value in bindings:
+            bound = bindings[value]
+            free = [bound] if isinstance(bound, relax.Var) else relax.analysis.free_vars(bound)
+            seen[value] = all(_weight_only(v, weights, bindings, seen) for v in free)
+        else:
+            seen[value] = False
+    return seen[value]
+
+
+def _matrix_operand(value, bindings: dict, accept=lambda tensor: True):
+    """(tensor, transposed) when ``value`` is a 2-D tensor ``accept`` takes, or permute_dims of one, else None."""
+    bound = bindings.get(value)
+    if call_op(bound) == "relax.permute_dims":
+        src, axes = bound.args[0], bound.attrs.axes
+        if len(src.ty.shape.values) == 2 and (axes is None or [int(a) for a in axes] == [1, 0]) and accept(src):
+            return src, True
+    return (value, False) if len(value.ty.shape.values) == 2 and accept(value) else None
 
 
 def _weight_operand(value, weights: set, bindings: dict, seen: dict):
     """(weight, transposed) when ``value`` is a 2-D weight-only tensor or permute_dims of one, else None."""
-    bound = bindings.get(value)
-    if call_op(bound) == "relax.permute_dims":
-        src, axes = bound.args[0], bound.attrs.axes
-        if _weight_only(src, weights, bindings, seen) and len(src.ty.shape.values) == 2 and \
-                (axes is None or [int(a) for a in axes] == [1, 0]):
-            return src, True
-    if _weight_only(value, weights, bindings, seen) and len(value.ty.shape.values) == 2:
-        return value, False
-    return None
+    return _matrix_operand(value, bindings, lambda tensor: _weight_only(tensor, weights, bindings, seen))
 
 
 def check_static_shapes(mod: tvm.IRModule) -> None:
     """ShapeError naming the first weight contraction whose activations have symbolic dims: the bf16 kernels are
     made for one shape (their tiles must divide it)."""
     func = mod["main"]
-    n_in = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
-    weights = set(func.params[n_in:])
-    bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
-    seen: dict = {}
+    weights, bindings, seen = _weights(func), bindings_of(func), {}
     for var, value in bindings.items():
         if call_op(value) == "relax.matmul" and _weight_operand(value.args[1], weights, bindings, seen) and \
                 _static(value.args[0].ty.shape) is None:
@@ -182,24 +187,6 @@ def to_bf16_transposed_func(shape) -> tirx.PrimFunc:
     return _private(te.create_prim_func([x, out]))
 
 
-def _users(bindings: dict) -> dict:
-    counts: dict = {}
-    for value in bindings.values():
-        relax.analysis.post_order_visit(value, lambda e: isinstance(e, relax.Var) and
-                                        counts.__setitem__(e, counts.get(e, 0) + 1))
-    return counts
-
-
-def _2d_operand(value, bindings: dict):
-    """(tensor, transposed) for a 2-D right operand or permute_dims of one (training: packed every step)."""
-    bound = bindings.get(value)
-    if call_op(bound) == "relax.permute_dims" and len(bound.args[0].ty.shape.values) == 2:
-        axes = bound.attrs.axes
-        if axes is None or [int(a) for a in axes] == [1, 0]:
-            return bound.args[0], True
-    return (value, False) if len(value.ty.shape.values) == 2 else None
-
-
 def _weight_gradient(value, bindings: dict, users: dict):
     """(matmul var, X, dY, rows) when ``value`` is collapse_sum_to(matmul(permute_dims(X, [0, 2, 1]), dY)) to 2-D:
     Relax Gradient's dW of a [B, S, K] x [K, N] contraction, i.e. X^T dY over all B*S rows."""
@@ -222,22 +209,23 @@ def _weight_gradient(value, bindings: dict, users: dict):
 
 
 def _batched(x, w):
-    """("bgemm", x, w, x shape, K, N) for a batched contraction of activations with equal batch dims (the
-    attention's scores and context: [B, h, S, d] x [B, h, d, S]); its right operand is packed per call."""
+    """The plan of a batched contraction of activations with equal batch dims (the attention's scores and
+    context: [B, h, S, d] x [B, h, d, S]), its right operand packed per call; None for any other."""
     xs, ws = _static(x.ty.shape), _static(w.ty.shape)
     if xs is None or ws is None or len(xs) < 3 or len(xs) != len(ws) or xs[:-2] != ws[:-2] or xs[-1] != ws[-2] \
             or x.ty.dtype != "float32" or w.ty.dtype != "float32":
         return None
     k, n = ws[-2], ws[-1]
-    return ("bgemm", x, w, xs, k, n) if n % LANES == 0 and k % PAIR == 0 else None
+    return ("gemm", x, w, False, xs, k, n, len(xs) - 2) if n % LANES == 0 and k % PAIR == 0 else None
 
 
 def _plan(func: relax.Function, weights: set | None) -> tuple[dict, set]:
-    """The contractions to rewrite: var -> ("gemm", x, (w, transposed), x shape, K, N) or ("wgrad", x, dy, rows,
-    K, N); and the matmul vars a "wgrad" replaces. ``weights`` None (training): every 2-D right operand and the
-    weight gradients; else only right operands computed from ``weights`` alone."""
-    bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
-    users, seen = _users(bindings), {}
+    """The contractions to rewrite: var -> ("gemm", x, w, transposed, x shape, K, N, batch dims of w) or
+    ("wgrad", x, dy, rows, K, N); and the matmul vars a "wgrad" replaces. ``weights`` None (training): every 2-D
+    right operand and the weight gradients; else only right operands computed from ``weights`` alone. Batched
+    contractions of activations (attention) in both."""
+    bindings = bindings_of(func)
+    users, seen = users_of(func), {}
     targets, replaced = {}, set()
     for var, value in bindings.items():
         if weights is None and call_op(value) == "relax.collapse_sum_to":
@@ -256,7 +244,7 @@ def _plan(func: relax.Function, weights: set | None) -> tuple[dict, set]:
         if batched is not None:
             targets[var] = batched
             continue
-        operand = _2d_operand(w, bindings) if weights is None else _weight_operand(w, weights, bindings, seen)
+        operand = _matrix_operand(w, bindings) if weights is None else _weight_operand(w, weights, bindings, seen)
         if operand is None or x.ty.dtype != "float32" or operand[0].ty.dtype != "float32":
             continue
         x_shape, w_shape = _static(x.ty.shape), _static(operand[0].ty.shape)
@@ -265,7 +253,7 @@ def _plan(func: relax.Function, weights: set | None) -> tuple[dict, set]:
         n, k = (w_shape if operand[1] else w_shape[::-1])
         if n % LANES or k % PAIR:
             continue  # stays fp32: the packed layout needs N % 16 == 0 and K even
-        targets[var] = ("gemm", x, operand, x_shape, k, n)
+        targets[var] = ("gemm", x, operand[0], operand[1], x_shape, k, n, 0)
     return {v: t for v, t in targets.items() if v not in replaced}, replaced
 
 
@@ -276,25 +264,27 @@ def bf16_contractions(training: bool = False) -> tvm.transform.Pass:
     contraction with a 2-D right operand, packed each step, and each weight gradient X^T dY as one contraction
     over all rows. Activations read by several contractions (Q, K, V) are converted once."""
 
-    @tvm.transform.module_pass(opt_level=0, name="tvmdm.BF16Contractions")
-    def rewrite(mod, _ctx):
+    return _function_pass("tvmdm.BF16Contractions", training, lambda mod, name: _rewrite_function(mod, name, training))
+
+
+def _function_pass(pass_name: str, training: bool, rewrite_function) -> tvm.transform.Pass:
+    """A module pass applying ``rewrite_function(mod, name) -> mod`` to ``main`` (inference) or to every Relax
+    function (a training module: main, loss_and_grads, train_step, apply_update)."""
+
+    @tvm.transform.module_pass(opt_level=0, name=pass_name)
+    def run(mod, _ctx):
         names = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function)
                  and (training or gv.name_hint == "main")]
         for name in names:
-            mod = _rewrite_function(mod, name, training)
+            mod = rewrite_function(mod, name)
         return mod
 
-    return rewrite
+    return run
 
 
 def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRModule:
     func = mod[name]
-    if training:
-        weights = None
-    else:
-        n_in = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
-        weights = set(func.params[n_in:])
-    targets, replaced = _plan(func, weights)
+    targets, replaced = _plan(func, None if training else _weights(func))
     if not targets:
         return mod
 
@@ -330,16 +320,10 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
                 return super().visit_var_binding_(binding)
             kind, x = target[0], target[1]
             if kind == "gemm":
-                _, _, (w, transposed), x_shape, k, n = target
-                packed = self._pack(self.visit_expr(w), k, n, transposed)
+                _, _, w, transposed, x_shape, k, n, batch = target
+                packed = self._pack(self.visit_expr(w), k, n, transposed, x_shape[:batch])
                 a_bits = self._convert(x, to_bf16_func, x_shape, "to_bf16")
-                out = self._gemm(a_bits, packed, x_shape[:-1], k, n)
-            elif kind == "bgemm":
-                _, _, w, x_shape, k, n = target
-                batch = x_shape[:-2]
-                packed = self._pack(self.visit_expr(w), k, n, False, batch)
-                a_bits = self._convert(x, to_bf16_func, x_shape, "to_bf16")
-                out = self._gemm(a_bits, packed, x_shape[:-1], k, n, len(batch))
+                out = self._gemm(a_bits, packed, x_shape[:-1], k, n, batch)
             else:  # dW = X^T dY over every row
                 _, _, dy, rows, k, n = target
                 flat = self.builder_.emit(relax.op.reshape(self.visit_expr(dy), [rows, n]))
@@ -360,27 +344,17 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
 def half_contractions(dtype: str = "float16", training: bool = False) -> tvm.transform.Pass:
     """CUDA: matmul(x, W) with W a weight -> matmul(x as fp16, W as fp16, out_dtype=fp32) (or bf16). dlight's
     Matmul rule schedules an fp16 one on tensor cores (WMMA) when every dim exceeds 64 (sm_70 and later; it has
-    no bf16 tensor-core rule); the weight's
-    cast is weight-only, so LiftTransformParams makes it once at load. ``training``: every fp32 contraction of
-    every function (forward and backward; the fp32 master weights are cast each step)."""
+    no bf16 tensor-core rule); the weight's cast is weight-only, so LiftTransformParams makes it once at load.
+    ``training``: every fp32 contraction of every function (forward and backward; the fp32 master weights are
+    cast each step)."""
 
-    @tvm.transform.module_pass(opt_level=0, name="tvmdm.HalfContractions")
-    def rewrite(mod, _ctx):
-        names = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function)
-                 and (training or gv.name_hint == "main")]
-        for name in names:
-            mod = _half_function(mod, name, dtype, training)
-        return mod
-
-    return rewrite
+    return _function_pass("tvmdm.HalfContractions", training, lambda mod, name: _half_function(mod, name, dtype,
+                                                                                              training))
 
 
 def _half_function(mod: tvm.IRModule, name: str, dtype: str, training: bool) -> tvm.IRModule:
     func = mod[name]
-    n_in = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
-    weights = set(func.params[n_in:])
-    bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
-    seen: dict = {}
+    weights, bindings, seen = _weights(func), bindings_of(func), {}
     targets = {var for var, value in bindings.items() if call_op(value) == "relax.matmul"
                and value.args[0].ty.dtype == "float32" and value.args[1].ty.dtype == "float32"
                and (training or _weight_operand(value.args[1], weights, bindings, seen))}

@@ -323,7 +323,8 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     from tvmdm.checkpoint import memory_estimate
 
     optimizer = optimizer or AdamW()
-    check_precision(precision, make_target(target).kind.name)
+    tvm_target = make_target(target)
+    check_precision(precision, tvm_target.kind.name)
     scaler = _loss_scaler(loss_scale, precision)
     timings = {}
     t0 = time.perf_counter()
@@ -331,11 +332,10 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
                                                      batch=batch, seq=seq, checkpoint=checkpoint, dropout=dropout,
                                                      fusion=fusion, layout=layout, loss_scaling=scaler is not None)
     timings["graph"] = time.perf_counter() - t0
-    tvm_target = make_target(target)
     t0 = time.perf_counter()
     mod = fuse_stage.fuse(mod, fusion, layout=layout, lift_params=False, precision=precision,
                           target_kind=tvm_target.kind.name)
-    mod, tuned = _schedule(mod, tvm_target, tuning_logs)
+    mod, tuned = _schedule(mod, tvm_target, tuning_logs, precision)
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     executable = relax.build(mod, target=tvm_target)
