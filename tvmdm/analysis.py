@@ -130,9 +130,10 @@ class Report:
 
 
 def report_for(mod: tvm.IRModule, kernel_ops: dict[str, list[str]], source: str, fusion: str,
-               measure_target=None, read_fractions: dict | None = None) -> Report:
-    """Rows for every call_tir in ``mod``'s main, in call order. ``read_fractions``: kernel -> {input index:
-    share of that input the kernel reads} for inputs read in part (slices of a packed tensor)."""
+               measure_target=None, read_fractions: dict | None = None, entry: str = "main") -> Report:
+    """Rows for every call_tir in ``mod``'s ``entry`` function (main: inference; a training step's
+    "train_step"), in call order. ``read_fractions``: kernel -> {input index: share of that input the kernel
+    reads} for inputs read in part (slices of a packed tensor)."""
     from tvmdm.fuse import op_name
     from tvmdm.profile import time_kernel
 
@@ -143,7 +144,7 @@ def report_for(mod: tvm.IRModule, kernel_ops: dict[str, list[str]], source: str,
         if isinstance(expr, relax.Call) and expr.op.same_as(call_tir):
             calls.append(expr)
 
-    relax.analysis.post_order_visit(mod["main"].body, visit)
+    relax.analysis.post_order_visit(mod[entry].body, visit)
     if not calls:
         raise TvmdmError(f"{source}: the compiled graph runs no kernel (empty graph?)")
     flops_cache: dict[str, int] = {}

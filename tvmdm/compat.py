@@ -272,14 +272,28 @@ def register_missing_gradients() -> None:
             ndim = x.ty.ndim
             axes = [int(a) % ndim for a in orig_call.attrs.axes]
             batch_axes = [a for a in range(ndim) if a not in axes]
-            centered = ctx.normalize(x - relax.op.mean(x, axes, keepdims=True))
-            var = relax.op.mean(centered * centered, axes, keepdims=True)
-            rstd = ctx.normalize(relax.op.rsqrt(var + const(float(orig_call.attrs.epsilon), x)))
-            xhat = ctx.normalize(centered * rstd)
+
+            def normalized():
+                centered = ctx.normalize(x - relax.op.mean(x, axes, keepdims=True))
+                var = relax.op.mean(centered * centered, axes, keepdims=True)
+                rstd = ctx.normalize(relax.op.rsqrt(var + const(float(orig_call.attrs.epsilon), x)))
+                return ctx.normalize(centered * rstd), rstd
+
+            xhat, rstd = normalized()
             dxhat = ctx.normalize(output_grad * gamma)
             dx = rstd * (dxhat - relax.op.mean(dxhat, axes, keepdims=True)
                          - xhat * relax.op.mean(dxhat * xhat, axes, keepdims=True))
-            return [dx, relax.op.sum(output_grad * xhat, batch_axes), relax.op.sum(output_grad, batch_axes)]
+            # The parameter gradients normalize x on their own and sum [dy * xhat, dy] (side by side) in one
+            # reduction: one kernel reading dy once, the paper's BSB, apart from BLNRD (dx) so that its fusion
+            # makes each one kernel (tvmdm.backward_kernels); for stock fusion tvmdm.train shares the
+            # statistics again (EliminateCommonSubexpr).
+            xhat_params, _ = normalized()
+            if len(axes) != 1:
+                return [dx, relax.op.sum(output_grad * xhat_params, batch_axes), relax.op.sum(output_grad, batch_axes)]
+            both = ctx.normalize(relax.op.sum(relax.op.concat([output_grad * xhat_params, output_grad], axes[0]),
+                                              batch_axes))
+            halves = ctx.normalize(relax.op.split(both, 2, axis=0))
+            return [dx, relax.TupleGetItem(halves, 0), relax.TupleGetItem(halves, 1)]
 
         GRADIENTS_ADDED.append("relax.nn.layer_norm")
 

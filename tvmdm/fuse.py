@@ -8,7 +8,8 @@ Levels (``fusion=`` in compile):
             contractions (layouts: see graph_rewrites), SM (scores contraction + 1/sqrt(d) scale + mask +
             softmax in one kernel), the context contraction reading V in place, BDRLN (bias + residual +
             LayerNorm after the output contractions, twice) and BGD (contraction + bias + GELU, stock
-            FuseOps' epilogue).
+            FuseOps' epilogue); in a training step also its backward kernels BLNRD, BSB and BS
+            (tvmdm.backward_kernels).
 Each level is a ``tvm.transform.Sequential`` of Relax passes (IRModule -> IRModule). Inside the paper's
 kernels the element-wise blocks are inlined by a TIR pass (inline_pattern_kernels); inside the others by the
 schedules (ours and MetaSchedule's AutoInline), so the intermediates of a group never reach memory as tensors.
@@ -24,6 +25,8 @@ from tvm.relax.dpl import is_const, is_op, is_tuple, wildcard
 from tvm.s_tir import schedule as sch_mod
 
 from tvmdm import compat, graph_rewrites
+from tvmdm.backward import transposed_left_contractions
+from tvmdm.backward_kernels import BACKWARD_KERNELS, backward_patterns
 from tvmdm.precision import precision_passes
 
 FUSION_LEVELS = ("none", "tvm", "paper")
@@ -133,7 +136,7 @@ def _inline_producers(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 def inline_pattern_kernels() -> tvm.transform.Pass:
     """TIR side of the pattern fusion: inline the element-wise blocks of the paper's kernels (sm,
-    attention_context, bdrln), so compile, our default schedules and the tuner all see the fused form."""
+    attention_context, bdrln and the backward ones), so compile, our default schedules and the tuner all see the fused form."""
 
     @tvm.transform.module_pass(opt_level=0, name="tvmdm.InlinePatternKernels")
     def run(mod, _ctx):
@@ -146,7 +149,8 @@ def inline_pattern_kernels() -> tvm.transform.Pass:
     return run
 
 
-PAPER_KERNELS = ("sm", "attention_context", "bdrln")  # the pattern kernels, by the names they get
+# the pattern kernels, by the names they get: forward, then backward (tvmdm.backward_kernels)
+PAPER_KERNELS = ("sm", "attention_context", "bdrln") + BACKWARD_KERNELS
 
 
 def _sm_pattern(operand):
@@ -169,12 +173,13 @@ def paper_patterns() -> list[tuple]:
     biased = is_op("relax.add")(wildcard(), wildcard())
     residual = is_op("relax.add")(biased, wildcard())
     bdrln = is_op("relax.nn.layer_norm")(residual, wildcard(), wildcard())
-    sm, attention_context, bdrln_name = (f"tvmdm.{k}" for k in PAPER_KERNELS)
+    sm, attention_context, bdrln_name = (f"tvmdm.{k}" for k in PAPER_KERNELS[:3])
     # The second SM has plain operands: where the backward pass reads Q, K or V (a training step), the
     # slices must stay their own values and only the contraction onwards fuses.
-    return [(name, pattern, {}, _intermediates_stay_inside)
-            for name, pattern in ((sm, _sm_pattern(_attention_operand)), (attention_context, context),
-                                  (bdrln_name, bdrln), (sm, _sm_pattern(wildcard)))]
+    forward = [(sm, _sm_pattern(_attention_operand)), (attention_context, context), (bdrln_name, bdrln),
+               (sm, _sm_pattern(wildcard))]
+    backward = [(f"tvmdm.{name}", pattern) for name, pattern in backward_patterns()]  # match in training steps
+    return [(name, pattern, {}, _intermediates_stay_inside) for name, pattern in forward + backward]
 
 
 def _intermediates_stay_inside(ctx) -> bool:
@@ -286,6 +291,8 @@ def graph_passes(fusion: str, layout: str = "bshd", read_fractions: dict | None 
     ``lift_params``: lift (inference only: a training step changes its weights every step)."""
     passes = [paper_graph_rewrites(layout)] if fusion == "paper" else []
     passes += precision_passes(precision, training=not lift_params, target_kind=target_kind)
+    if not lift_params:  # a training step: its weight gradients read the activations transposed, in place
+        passes.append(transposed_left_contractions())
     if lift_params and (fusion == "paper" or precision != "fp32"):
         passes.append(relax.transform.LiftTransformParams())
     if fusion == "paper":

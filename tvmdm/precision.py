@@ -25,7 +25,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from tvmdm.errors import ShapeError
-from tvmdm.graph_rewrites import bindings_of, call_op, users_of
+from tvmdm.graph_rewrites import bindings_of, call_op
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Which target kinds each reduced precision is built for (its kernels and schedules are target-specific).
@@ -187,27 +187,6 @@ def to_bf16_transposed_func(shape) -> tirx.PrimFunc:
     return _private(te.create_prim_func([x, out]))
 
 
-def _weight_gradient(value, bindings: dict, users: dict):
-    """(matmul var, X, dY, rows) when ``value`` is collapse_sum_to(matmul(permute_dims(X, [0, 2, 1]), dY)) to 2-D:
-    Relax Gradient's dW of a [B, S, K] x [K, N] contraction, i.e. X^T dY over all B*S rows."""
-    mm = value.args[0]
-    if not isinstance(mm, relax.Var) or users.get(mm, 0) != 1 or call_op(bindings.get(mm)) != "relax.matmul":
-        return None
-    xt, dy = bindings[mm].args
-    bound = bindings.get(xt)
-    if call_op(bound) != "relax.permute_dims" or bound.attrs.axes is None:
-        return None
-    x = bound.args[0]
-    rank = len(x.ty.shape.values)
-    if rank < 3 or [int(a) for a in bound.attrs.axes] != list(range(rank - 2)) + [rank - 1, rank - 2] or \
-            any(v is None for v in (_static(x.ty.shape), _static(dy.ty.shape))):
-        return None
-    rows = int(np.prod(_static(x.ty.shape)[:-1]))
-    if _static(dy.ty.shape)[:-1] != _static(x.ty.shape)[:-1] or len(value.ty.shape.values) != 2:
-        return None
-    return mm, x, dy, rows
-
-
 def _batched(x, w):
     """The plan of a batched contraction of activations with equal batch dims (the attention's scores and
     context: [B, h, S, d] x [B, h, d, S]), its right operand packed per call; None for any other."""
@@ -219,24 +198,14 @@ def _batched(x, w):
     return ("gemm", x, w, False, xs, k, n, len(xs) - 2) if n % LANES == 0 and k % PAIR == 0 else None
 
 
-def _plan(func: relax.Function, weights: set | None) -> tuple[dict, set]:
+def _plan(func: relax.Function, weights: set | None) -> dict:
     """The contractions to rewrite: var -> ("gemm", x, w, transposed, x shape, K, N, batch dims of w) or
-    ("wgrad", x, dy, rows, K, N); and the matmul vars a "wgrad" replaces. ``weights`` None (training): every 2-D
-    right operand and the weight gradients; else only right operands computed from ``weights`` alone. Batched
+    ("wgrad", x, dy, rows, K, N). ``weights`` None (training): every 2-D right operand and the weight
+    gradients; else only right operands computed from ``weights`` alone. Batched
     contractions of activations (attention) in both."""
-    bindings = bindings_of(func)
-    users, seen = users_of(func), {}
-    targets, replaced = {}, set()
+    bindings, seen = bindings_of(func), {}
+    targets = {}
     for var, value in bindings.items():
-        if weights is None and call_op(value) == "relax.collapse_sum_to":
-            found = _weight_gradient(value, bindings, users)
-            if found and value.args[0].ty.dtype == "float32":
-                mm, x, dy, rows = found
-                k, n = (int(d) for d in value.ty.shape.values)
-                if n % LANES == 0 and rows % PAIR == 0:
-                    targets[var] = ("wgrad", x, dy, rows, k, n)
-                    replaced.add(mm)
-            continue
         if call_op(value) != "relax.matmul":
             continue
         x, w = value.args
@@ -244,6 +213,11 @@ def _plan(func: relax.Function, weights: set | None) -> tuple[dict, set]:
         if batched is not None:
             targets[var] = batched
             continue
+        if weights is None:  # training: a weight gradient X^T dY (tvmdm.backward flattened its rows)
+            wgrad = _weight_gradient(x, w, bindings)
+            if wgrad is not None:
+                targets[var] = wgrad
+                continue
         operand = _matrix_operand(w, bindings) if weights is None else _weight_operand(w, weights, bindings, seen)
         if operand is None or x.ty.dtype != "float32" or operand[0].ty.dtype != "float32":
             continue
@@ -254,7 +228,20 @@ def _plan(func: relax.Function, weights: set | None) -> tuple[dict, set]:
         if n % LANES or k % PAIR:
             continue  # stays fp32: the packed layout needs N % 16 == 0 and K even
         targets[var] = ("gemm", x, operand[0], operand[1], x_shape, k, n, 0)
-    return {v: t for v, t in targets.items() if v not in replaced}, replaced
+    return targets
+
+
+def _weight_gradient(x, w, bindings: dict):
+    """("wgrad", X, dY, rows, K, N) when the contraction is matmul(permute_dims(X), dY) of 2-D X [rows, K] and
+    dY [rows, N] in fp32: the left operand is converted transposed, in tiles."""
+    left, right = _matrix_operand(x, bindings), _matrix_operand(w, bindings)
+    if left is None or right is None or not left[1] or right[1] or None in (_static(left[0].ty.shape),
+                                                                             _static(right[0].ty.shape)):
+        return None
+    (rows, k), (rows_dy, n) = _static(left[0].ty.shape), _static(right[0].ty.shape)
+    if rows != rows_dy or left[0].ty.dtype != "float32" or right[0].ty.dtype != "float32" or n % LANES or rows % PAIR:
+        return None
+    return "wgrad", left[0], right[0], rows, k, n
 
 
 def bf16_contractions(training: bool = False) -> tvm.transform.Pass:
@@ -284,7 +271,7 @@ def _function_pass(pass_name: str, training: bool, rewrite_function) -> tvm.tran
 
 def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRModule:
     func = mod[name]
-    targets, replaced = _plan(func, None if training else _weights(func))
+    targets = _plan(func, None if training else _weights(func))
     if not targets:
         return mod
 
@@ -313,8 +300,6 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
                                                                                                "float32")))
 
         def visit_var_binding_(self, binding):
-            if binding.var in replaced:
-                return None
             target = targets.get(binding.var)
             if target is None:
                 return super().visit_var_binding_(binding)
@@ -326,8 +311,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
                 out = self._gemm(a_bits, packed, x_shape[:-1], k, n, batch)
             else:  # dW = X^T dY over every row
                 _, _, dy, rows, k, n = target
-                flat = self.builder_.emit(relax.op.reshape(self.visit_expr(dy), [rows, n]))
-                packed = self._pack(flat, rows, n, False)
+                packed = self._pack(self.visit_expr(dy), rows, n, False)
                 a_bits = self._convert(x, to_bf16_transposed_func, [k, rows], "to_bf16_t")
                 out = self._gemm(a_bits, packed, [k], rows, n)
             self.set_var_remap(binding.var, out)

@@ -291,6 +291,10 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
     except (tvm.error.InternalError, RuntimeError, ValueError) as err:
         first = str(err).strip().splitlines()[-1]
         raise TvmdmError(f"{source}: cannot differentiate the model: {first}") from None
+    if fusion != "paper" and not checkpoint:
+        # LayerNorm's gradient normalizes x twice (for the paper's BLNRD and BSB kernels): share it again.
+        # Not with checkpointing, whose recomputed regions the same pass would merge back into the forward.
+        mod = relax.transform.EliminateCommonSubexpr()(mod)
     return imported, mod, trainable, sites
 
 

@@ -241,6 +241,7 @@ def training_module(mod: tvm.IRModule, n_inputs: int, loss, optimizer: AdamW, ch
     ``checkpoint`` ("attention", "layer" or False) marks the regions the backward pass recomputes instead of
     keeping. With ``dropout``, loss_and_grads and train_step take one keep-mask per site after the inputs."""
     from tvmdm import compat
+    from tvmdm.backward import flat_weight_gradients
     from tvmdm.checkpoint import insert_checkpoints
     from tvmdm.dropout import insert_dropout
 
@@ -253,7 +254,8 @@ def training_module(mod: tvm.IRModule, n_inputs: int, loss, optimizer: AdamW, ch
     with_loss = add_loss(insert_checkpoints(checkpoint, n_graph_inputs)(train_mod), loss, n_graph_inputs,
                          loss_scaling)
     with_loss["main"] = mod["main"]  # inference: no dropout, no checkpoint markers
-    return add_train_step(with_loss, n_graph_inputs, optimizer, loss_scaling), sites
+    # the weight gradients as single contractions over all rows (tvmdm.backward)
+    return flat_weight_gradients()(add_train_step(with_loss, n_graph_inputs, optimizer, loss_scaling)), sites
 
 
 def tie_transposed_copies(mod: tvm.IRModule, n_inputs: int, weights: dict) -> tuple[tvm.IRModule, dict, dict]:

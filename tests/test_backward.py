@@ -1,0 +1,91 @@
+"""The backward-graph rewrites (tvmdm.backward): each weight gradient one contraction over all rows, its left
+operand read transposed in place; numbers against numpy and Relax's own gradient."""
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.script import relax as R
+
+import tvmdm
+from tvmdm.backward import flat_weight_gradients, transposed_left_contractions
+from tvmdm.graph_rewrites import bindings_of, call_op
+from tvmdm.profile import call_sites
+
+
+def _ops(func) -> list[str]:
+    return [call_op(v) for v in bindings_of(func).values()]
+
+
+@tvm.script.ir_module
+class WeightGradient:
+    """Relax Gradient's dW of x [2, 8, 16] @ W [16, 32], as it writes it."""
+
+    @R.function
+    def main(x: R.Tensor((2, 8, 16), "float32"), dy: R.Tensor((2, 8, 32), "float32")) -> R.Tensor((16, 32), "float32"):
+        with R.dataflow():
+            xt = R.permute_dims(x, [0, 2, 1])
+            mm = R.matmul(xt, dy)
+            dw = R.collapse_sum_to(mm, R.shape([16, 32]))
+            R.output(dw)
+        return dw
+
+
+def _run(mod, *args):
+    from tvmdm.fuse import lowering_passes
+
+    lowered = tvm.transform.Sequential(lowering_passes() + [relax.transform.FuseOps(), relax.transform.FuseTIR()])(mod)
+    vm = relax.VirtualMachine(relax.build(lowered, target="llvm"), tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+
+
+def test_weight_gradient_becomes_one_contraction_over_all_rows():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 8, 16)).astype(np.float32)
+    dy = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    want = np.einsum("bsk,bsn->kn", x, dy)
+
+    flat = flat_weight_gradients()(WeightGradient)
+    ops = _ops(flat["main"])
+    assert "relax.collapse_sum_to" not in ops
+    (mm,) = [v for v in bindings_of(flat["main"]).values() if call_op(v) == "relax.matmul"]
+    assert [int(d) for d in mm.args[1].ty.shape.values] == [16, 32]  # dY viewed as [B*S, N]
+    np.testing.assert_allclose(_run(flat, x, dy), want, rtol=1e-5, atol=1e-5)
+
+    in_place = transposed_left_contractions()(flat)
+    ops = _ops(in_place["main"])
+    assert "relax.permute_dims" not in ops and "relax.matmul" not in ops
+    assert "matmul_tn" in [gv.name_hint for gv in in_place.get_global_vars()]
+    np.testing.assert_allclose(_run(in_place, x, dy), want, rtol=1e-5, atol=1e-5)
+
+
+def test_other_contractions_are_left_alone():
+    @tvm.script.ir_module
+    class Other:
+        @R.function
+        def main(x: R.Tensor((2, 8, 16), "float32"), dy: R.Tensor((2, 16, 32), "float32")):
+            with R.dataflow():
+                mm = R.matmul(x, dy)  # no transposed left operand
+                s = R.collapse_sum_to(mm, R.shape([8, 32]))
+                R.output(s)
+            return s
+
+    for rewrite in (flat_weight_gradients(), transposed_left_contractions()):
+        tvm.ir.assert_structural_equal(rewrite(Other), Other)
+
+
+def _arg_shapes(func) -> list[list[int]]:
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    return [[int(d) for d in a.shape] for a in ArgInfo.from_prim_func(func)]
+
+
+def test_training_step_gradients_read_operands_in_place(tiny_layer):
+    step = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, tuning_logs=None)
+    kernels = call_sites(step.mod, "train_step")
+    # the six weight matrices' gradients (Q, K, V, output, FFN up, FFN down) are matmul_tn over all 16 rows
+    tn = {k: n for k, n in kernels.items() if "matmul_tn" in k}
+    assert sum(tn.values()) == 6 and all(_arg_shapes(step.mod[k])[0][0] == 16 for k in tn)
+    # no batched weight gradient summed afterwards: the only collapse_sum left are bias gradients (1-D)
+    assert all(len(_arg_shapes(step.mod[k])[-1]) == 1 for k in kernels if "collapse_sum" in k)
+    # no activation [B, S, K] is transposed by a kernel: what is left are weights (2-D: the packing of the
+    # input gradients' dY W^T) and the attention's heads (4-D)
+    assert all(len(_arg_shapes(step.mod[k])[0]) in (2, 4) for k in kernels if k.startswith("transpose"))
