@@ -2,7 +2,7 @@
 
 Loading checks every line first: a corrupt or truncated line (a tuner killed mid-write, a bad merge) gives a
 warning naming the file and line and is skipped, so compile falls back to default schedules for the kernels
-it covered instead of crashing inside TVM. A lock file keeps two tuners from appending to one log at once.
+it covered instead of crashing inside TVM; so does a well-formed record TVM cannot read back. A lock file keeps two tuners from appending to one log at once.
 """
 from __future__ import annotations
 
@@ -53,16 +53,16 @@ def _check_record(entry) -> None:
         raise ValueError("expected [workload index, record]")
 
 
-def clean_copy(logs_dir: str, out_dir: str) -> tuple[int, int]:
+def clean_copy(logs_dir: str, out_dir: str) -> list[int]:
     """Copy the usable lines of ``logs_dir``'s database into ``out_dir``, renumbering workload references
-    around dropped workload lines. Returns (workloads, records) kept."""
+    around dropped workload lines. Returns the line number in ``logs_dir`` of each record kept."""
     wl_lines = _read_lines(os.path.join(logs_dir, WORKLOADS), _check_workload)
     new_index, kept_wl = {}, []
     for old, (_, line) in enumerate(wl_lines):
         if line is not None:
             new_index[old] = len(kept_wl)
             kept_wl.append(line)
-    kept_rec = []
+    kept_rec, rec_numbers = [], []
     rec_path = os.path.join(logs_dir, RECORDS)
     if os.path.exists(rec_path):
         for number, line in _read_lines(rec_path, _check_record):
@@ -74,11 +74,12 @@ def clean_copy(logs_dir: str, out_dir: str) -> tuple[int, int]:
                               "corrupt; skipped", TuningLogWarning, stacklevel=2)
                 continue
             kept_rec.append(json.dumps([new_index[entry[0]], entry[1]]) + "\n")
+            rec_numbers.append(number)
     with open(os.path.join(out_dir, WORKLOADS), "w") as f:
         f.writelines(kept_wl)
     with open(os.path.join(out_dir, RECORDS), "w") as f:
         f.writelines(kept_rec)
-    return len(kept_wl), len(kept_rec)
+    return rec_numbers
 
 
 _LOADED: dict = {}  # (logs dir, size and mtime of its files) -> database: each compile need not re-parse MBs
@@ -114,15 +115,35 @@ def _load(logs_dir: str):
     from tvm.s_tir import meta_schedule as ms
 
     with tempfile.TemporaryDirectory() as tmp:
-        clean_copy(logs_dir, tmp)
+        rec_numbers = clean_copy(logs_dir, tmp)
         try:
-            on_disk = ms.database.JSONDatabase(work_dir=tmp, allow_missing=False)
-        except Exception as err:  # noqa: BLE001 - TVM raises plain errors for semantically bad records
-            warnings.warn(f"{logs_dir}: tuning log unusable ({str(err).strip().splitlines()[-1][:200]}); using "
-                          "default schedules", TuningLogWarning, stacklevel=2)
-            return None
-    # JSONDatabase reads both files into memory when constructed: the temporary copy can go.
-    return on_disk
+            # JSONDatabase reads both files into memory when constructed: the temporary copy can go.
+            return ms.database.JSONDatabase(work_dir=tmp, allow_missing=False)
+        except Exception:  # noqa: BLE001 - TVM fails the whole log for one record it cannot read back
+            return _load_record_by_record(logs_dir, tmp, rec_numbers)
+
+
+def _load_record_by_record(logs_dir: str, clean_dir: str, rec_numbers: list[int]):
+    """The records of ``clean_dir`` TVM can read, one at a time, in a MemoryDatabase; a warning names each
+    record it cannot (e.g. 0.27 writes rfactor traces of column reductions its own loader then rejects:
+    "parallel_for_dynamic error", and JSONDatabase gives up on the whole log)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    with open(os.path.join(clean_dir, WORKLOADS)) as f:
+        workloads = [json.loads(line) for line in f]
+    database, committed = ms.database.MemoryDatabase(), {}
+    rec_path = os.path.join(logs_dir, RECORDS)
+    with open(os.path.join(clean_dir, RECORDS)) as f:
+        for number, line in zip(rec_numbers, f):
+            index, record = json.loads(line)
+            try:
+                if index not in committed:
+                    committed[index] = database.commit_workload(ms.database.Workload.from_json(workloads[index]).mod)
+                database.commit_tuning_record(ms.database.TuningRecord.from_json(record, committed[index]))
+            except Exception as err:  # noqa: BLE001 - TVM raises plain errors for semantically bad records
+                warnings.warn(f"{rec_path}:{number}: tuning record TVM cannot read back skipped "
+                              f"({str(err).strip().splitlines()[-1][:120]})", TuningLogWarning, stacklevel=4)
+    return database
 
 
 @contextlib.contextmanager

@@ -53,10 +53,12 @@ def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False,
     # Weight packing (main_transform_params) runs once at load: nothing there is worth a trial.
     fused = tvm.IRModule({gv: f for gv, f in fused.functions_items() if gv.name_hint != TRANSFORM_PARAMS})
     tasks = ms.relax_integration.extract_tasks(fused, tvm_target)
-    if precision != "fp32":
+    if tvm_target.kind.name == "llvm":  # what compile schedules by hand is not worth a trial
         from schedules.bf16 import hand_scheduled
+        from schedules.reductions import is_column_reduction
 
-        tasks = [t for t in tasks if not hand_scheduled(t.dispatched[0]["main"], tvm_target)]
+        tasks = [t for t in tasks if not hand_scheduled(t.dispatched[0]["main"], tvm_target)
+                 and not is_column_reduction(t.dispatched[0]["main"])]
     if only:
         tasks = [t for t in tasks if any(key in t.task_name for key in only)]
     return tasks, tvm_target

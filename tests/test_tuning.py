@@ -76,6 +76,23 @@ def test_corrupt_log_warns_with_file_and_line_and_falls_back(smoke_logs, tiny_la
     assert compiled.tuned_kernels == []
 
 
+UNREADABLE = os.path.join(os.path.dirname(__file__), "data", "unreadable_record")
+
+
+def test_record_tvm_cannot_read_back_is_skipped_not_the_whole_log(tmp_path):
+    """tests/data/unreadable_record: a good record (line 1) and one TVM 0.27 wrote while tuning a column
+    reduction but cannot load (line 2). Stock JSONDatabase rejects the whole log; ours drops that line only."""
+    from tvm.s_tir import meta_schedule as ms
+
+    logs = tmp_path / "logs"
+    shutil.copytree(UNREADABLE, logs)
+    with pytest.raises(Exception, match="parallel_for_dynamic"):  # the trap (an upgrade may fix it)
+        ms.database.JSONDatabase(work_dir=str(logs), allow_missing=False)
+    with pytest.warns(database.TuningLogWarning, match=r"database_tuning_record.json:2: tuning record TVM cannot"):
+        loaded = database.load_database(str(logs))
+    assert loaded is not None and len(loaded) == 1
+
+
 def test_missing_log_directory_warns(tiny_layer, tmp_path):
     with pytest.warns(database.TuningLogWarning, match=r"no tuning log"):
         compiled = tvmdm.compile(tiny_layer, tuning_logs=str(tmp_path / "nowhere"))
