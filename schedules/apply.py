@@ -32,6 +32,23 @@ def is_scheduled(func) -> bool:
     return isinstance(func, tirx.PrimFunc) and bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
 
 
+def apply_hand_schedule(mod: tvm.IRModule, schedule) -> tuple[tvm.IRModule, list[str]]:
+    """``schedule(func) -> scheduled func or None`` (not its kind) on every unscheduled kernel of ``mod``;
+    returns the module and the kernels it took. A kernel the rule fails on is left to the default schedule."""
+    done = []
+    for gv, func in list(mod.functions.items()):
+        if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
+            continue
+        try:
+            scheduled = schedule(func.with_attr("global_symbol", gv.name_hint))
+        except Exception:  # noqa: BLE001 - a loop nest the rule does not fit
+            scheduled = None
+        if scheduled is not None:
+            mod[gv] = scheduled
+            done.append(gv.name_hint)
+    return mod, done
+
+
 def kernels(mod: tvm.IRModule) -> list[str]:
     return sorted(gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc))
 

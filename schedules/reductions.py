@@ -11,7 +11,7 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import schedule as sch_mod
 
-from schedules.apply import is_scheduled
+from schedules.apply import apply_hand_schedule
 from schedules.default import inline_elementwise
 
 STRIP = 64  # columns per strip: four 16-lane vectors of fp32 accumulators
@@ -64,15 +64,4 @@ def schedule_column_reduction(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
 
 def apply_reduction_schedules(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[str]]:
     """Schedule every unscheduled column reduction of ``mod`` (llvm); returns the module and their names."""
-    done = []
-    for gv, func in list(mod.functions.items()):
-        if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
-            continue
-        try:
-            scheduled = schedule_column_reduction(func.with_attr("global_symbol", gv.name_hint))
-        except Exception:  # noqa: BLE001 - a loop nest the rule does not fit: the default schedule takes it
-            scheduled = None
-        if scheduled is not None:
-            mod[gv] = scheduled
-            done.append(gv.name_hint)
-    return mod, done
+    return apply_hand_schedule(mod, schedule_column_reduction)

@@ -56,9 +56,10 @@ def extract_tasks(model, target, shapes=None, fusion="tvm", train: bool = False,
     if tvm_target.kind.name == "llvm":  # what compile schedules by hand is not worth a trial
         from schedules.bf16 import hand_scheduled
         from schedules.reductions import is_column_reduction
+        from schedules.transposes import is_transpose
 
         tasks = [t for t in tasks if not hand_scheduled(t.dispatched[0]["main"], tvm_target)
-                 and not is_column_reduction(t.dispatched[0]["main"])]
+                 and not is_column_reduction(t.dispatched[0]["main"]) and not is_transpose(t.dispatched[0]["main"])]
     if only:
         tasks = [t for t in tasks if any(key in t.task_name for key in only)]
     return tasks, tvm_target

@@ -1,11 +1,12 @@
-"""Column reductions (schedules.reductions): bias and LayerNorm-parameter gradients scheduled by hand, same
-numbers as numpy, taken before the logs and left out of tuning."""
+"""The CPU kernels scheduled by hand before the logs apply (schedules.reductions, schedules.transposes): bias
+and LayerNorm-parameter gradients, 2-D transposes; same numbers as numpy, left out of tuning."""
 import numpy as np
 import tvm
 from tvm import relax
 from tvm.script import relax as R
 
 from schedules.reductions import apply_reduction_schedules, is_column_reduction
+from schedules.transposes import apply_transpose_schedules, is_transpose
 from tvmdm.fuse import lowering_passes
 
 
@@ -44,10 +45,37 @@ def test_column_reductions_are_scheduled_and_exact():
     np.testing.assert_allclose(rows, dy.sum(2), rtol=1e-5, atol=1e-5)
 
 
-def test_tuner_leaves_column_reductions_out(tiny_layer):
+@tvm.script.ir_module
+class Transposes:
+    @R.function
+    def main(w: R.Tensor((48, 96), "float32"), x: R.Tensor((2, 48, 96), "float32")):
+        with R.dataflow():
+            wt = R.permute_dims(w, [1, 0])
+            xt = R.permute_dims(x, [0, 2, 1])  # batched: not this rule's
+            out = (wt, xt)
+            R.output(out)
+        return out
+
+
+def test_two_d_transposes_are_tiled_and_exact():
+    from schedules.default import apply_default_schedules
+
+    mod = _lowered(Transposes)
+    scheduled, done = apply_transpose_schedules(mod)
+    assert len(done) == 1 and is_transpose(mod[done[0]])
+    target = tvm.target.Target({"kind": "llvm"})
+    vm = relax.VirtualMachine(relax.build(apply_default_schedules(scheduled, target), target=target), tvm.cpu())
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((48, 96)).astype(np.float32), rng.standard_normal((2, 48, 96)).astype(np.float32)
+    wt, xt = (t.numpy() for t in vm["main"](tvm.runtime.tensor(w), tvm.runtime.tensor(x)))
+    np.testing.assert_array_equal(wt, w.T)
+    np.testing.assert_array_equal(xt, x.transpose(0, 2, 1))
+
+
+def test_tuner_leaves_hand_scheduled_kernels_out(tiny_layer):
     from schedules.tune import extract_tasks
 
     tasks, _ = extract_tasks(tiny_layer, "llvm", {"hidden_states": [2, 8, 32], "attention_mask": [2, 8]}, train=True)
     names = [t.task_name for t in tasks]
     assert names and not [n for n in names if "collapse_sum" in n]
-    assert not [t for t in tasks if is_column_reduction(t.dispatched[0]["main"])]
+    assert not [t for t in tasks if is_column_reduction(t.dispatched[0]["main"]) or is_transpose(t.dispatched[0]["main"])]
