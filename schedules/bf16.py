@@ -21,6 +21,7 @@ from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.script import tirx as T
 
 from schedules.apply import is_scheduled
+from schedules.transposes import tile_transpose
 from schedules.default import inline_elementwise
 from tvmdm import compat
 from tvmdm.precision import GEMM_BLOCK, LANES, PAIR, TRANSPOSED_BLOCK, bf16_value
@@ -130,13 +131,7 @@ def schedule_transposed_conversion(func: tirx.PrimFunc) -> tirx.PrimFunc:
     block = sch.get_sblock(TRANSPOSED_BLOCK)
     for producer in sch.get_producers(block):  # element-wise producers fused in front (e.g. GELU's output)
         sch.compute_inline(producer)
-    k, m = sch.get_loops(block)
-    ko, ki = sch.split(k, [None, TRANSPOSE_TILE])
-    mo, mi = sch.split(m, [None, TRANSPOSE_TILE])
-    sch.reorder(ko, mo, ki, mi)
-    sch.parallel(sch.fuse(ko, mo))
-    sch.unroll(ki)
-    sch.vectorize(mi)
+    sch.unroll(tile_transpose(sch, block, TRANSPOSE_TILE))
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 

@@ -42,17 +42,24 @@ def is_transpose(func: tirx.PrimFunc) -> bool:
         return False
 
 
+def tile_transpose(sch, block, tile: int):
+    """``block``'s two loops in tile x tile tiles (each tile's reads and writes stay in L1), the tiles in
+    parallel, the inner write loop vectorized; returns the tile's row loop. Also bf16's transposing conversion."""
+    i, j = sch.get_loops(block)
+    io, ii = sch.split(i, [None, tile])
+    jo, ji = sch.split(j, [None, tile])
+    sch.reorder(io, jo, ii, ji)
+    sch.parallel(sch.fuse(io, jo))
+    sch.vectorize(ji)
+    return ii
+
+
 def schedule_transpose(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     sch = sch_mod.Schedule(func)
     block = _transpose_block(sch)
     if block is None:
         return None
-    i, j = sch.get_loops(block)
-    io, ii = sch.split(i, [None, TILE])
-    jo, ji = sch.split(j, [None, TILE])
-    sch.reorder(io, jo, ii, ji)
-    sch.parallel(sch.fuse(io, jo))
-    sch.vectorize(ji)
+    tile_transpose(sch, block, TILE)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
