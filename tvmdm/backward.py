@@ -56,7 +56,7 @@ def batched_weight_gradient(value, bindings: dict, users: dict):
     return mm, x, dy, int(np.prod(x_shape[:-1]))
 
 
-def _rewrite(mod: tvm.IRModule, name: str) -> tvm.IRModule:
+def _flatten_weight_gradients(mod: tvm.IRModule, name: str) -> tvm.IRModule:
     func = mod[name]
     bindings, users = bindings_of(func), users_of(func)
     targets = {var: found for var, value in bindings.items()
@@ -99,7 +99,7 @@ def _every_function_pass(name: str, rewrite) -> tvm.transform.Pass:
 def flat_weight_gradients() -> tvm.transform.Pass:
     """Every weight gradient collapse_sum_to(matmul(X^T, dY)) -> matmul(X^T, dY) over the flattened rows (the
     batched transposes left dead are removed)."""
-    return tvm.transform.Sequential([_every_function_pass("FlatWeightGradients", _rewrite),
+    return tvm.transform.Sequential([_every_function_pass("FlatWeightGradients", _flatten_weight_gradients),
                                      relax.transform.DeadCodeElimination()], name="tvmdm.FlatWeightGradients")
 
 
