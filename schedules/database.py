@@ -2,7 +2,8 @@
 
 Loading checks every line first: a corrupt or truncated line (a tuner killed mid-write, a bad merge) gives a
 warning naming the file and line and is skipped, so compile falls back to default schedules for the kernels
-it covered instead of crashing inside TVM; so does a well-formed record TVM cannot read back. A lock file keeps two tuners from appending to one log at once.
+it covered instead of crashing inside TVM; so does a well-formed record TVM cannot read back. A lock file
+keeps two tuners from appending to one log at once.
 """
 from __future__ import annotations
 

@@ -22,16 +22,8 @@ import numpy as np
 import tvm
 from tvm import relax, te, tirx
 
-from tvmdm.graph_rewrites import bindings_of, call_op, users_of
+from tvmdm.graph_rewrites import bindings_of, call_op, function_pass, rewritten, static_shape, users_of
 from tvmdm.precision import _i64, _private
-
-
-def static_shape(expr) -> list[int] | None:
-    """The concrete dims of a tensor expression, None when any is symbolic."""
-    shape = getattr(expr.ty, "shape", None)
-    if shape is None or not all(isinstance(d, tirx.IntImm) for d in shape.values):
-        return None
-    return [int(d) for d in shape.values]
 
 
 def batched_weight_gradient(value, bindings: dict, users: dict):
@@ -80,26 +72,13 @@ def _flatten_weight_gradients(mod: tvm.IRModule, name: str) -> tvm.IRModule:
             self.set_var_remap(binding.var, bb.emit(relax.op.matmul(xt, dy2)))
             return None
 
-    out = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)
-    out[name] = Flatten(mod).visit_expr(func)
-    return out
-
-
-def _every_function_pass(name: str, rewrite) -> tvm.transform.Pass:
-    @tvm.transform.module_pass(opt_level=0, name=f"tvmdm.{name}")
-    def run(mod, _ctx):
-        for gv, func in list(mod.functions_items()):
-            if isinstance(func, relax.Function):
-                mod = rewrite(mod, gv.name_hint)
-        return mod
-
-    return run
+    return rewritten(mod, name, Flatten(mod))
 
 
 def flat_weight_gradients() -> tvm.transform.Pass:
     """Every weight gradient collapse_sum_to(matmul(X^T, dY)) -> matmul(X^T, dY) over the flattened rows (the
     batched transposes left dead are removed)."""
-    return tvm.transform.Sequential([_every_function_pass("FlatWeightGradients", _flatten_weight_gradients),
+    return tvm.transform.Sequential([function_pass("tvmdm.FlatWeightGradients", _flatten_weight_gradients),
                                      relax.transform.DeadCodeElimination()], name="tvmdm.FlatWeightGradients")
 
 
@@ -155,16 +134,11 @@ def _rewrite_transposed(mod: tvm.IRModule, name: str) -> tvm.IRModule:
                 gv, [self.visit_expr(a), self.visit_expr(b)], relax.TensorType([k, n], "float32"))))
             return None
 
-    mutator = ReadTransposed(mod)
-    new_func = mutator.visit_expr(func)
-    out = mutator.builder_.get()
-    out = tvm.IRModule(dict(out.functions.items()), attrs=mod.attrs)
-    out[name] = relax.Function(func.params, new_func.body, func.ret_ty, attrs=func.attrs)
-    return out
+    return rewritten(mod, name, ReadTransposed(mod))
 
 
 def transposed_left_contractions() -> tvm.transform.Pass:
     """matmul(permute_dims(A), B) of 2-D operands -> one matmul_tn kernel reading A in place (the permute_dims
     left dead are removed)."""
-    return tvm.transform.Sequential([_every_function_pass("TransposedLeftContractions", _rewrite_transposed),
+    return tvm.transform.Sequential([function_pass("tvmdm.TransposedLeftContractions", _rewrite_transposed),
                                      relax.transform.DeadCodeElimination()], name="tvmdm.TransposedLeft")

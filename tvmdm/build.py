@@ -176,8 +176,8 @@ def _import(model, shapes, params):
 
 def _schedule(mod, target, tuning_logs, precision: str = "fp32") -> tuple[tvm.IRModule, list[str]]:
     """Tuned records where the logs have them, our default schedules for every other kernel; on the CPU first
-    the hand-written schedules: column reductions and 2-D transposes (schedules.reductions, .transposes) and, under bf16, the contractions and
-    conversions (schedules.bf16)."""
+    the hand-written schedules: column reductions and 2-D transposes (schedules.reductions, .transposes) and,
+    under bf16, the contractions and conversions (schedules.bf16)."""
     from schedules import apply_default_schedules, apply_tuning_logs, shipped_logs
     from schedules.bf16 import apply_bf16_schedules
     from schedules.reductions import apply_reduction_schedules

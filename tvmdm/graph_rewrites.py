@@ -13,7 +13,7 @@ They run on the imported graph, before LegalizeOps:
 from __future__ import annotations
 
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 
 
 def call_op(value) -> str | None:
@@ -45,6 +45,39 @@ def users_of(func: relax.Function) -> dict:
             relax.analysis.post_order_visit(b.value, count)
     relax.analysis.post_order_visit(func.body.body, count)
     return counts
+
+
+def static_shape(expr) -> list[int] | None:
+    """The concrete dims of a tensor expression, None when any is symbolic."""
+    shape = getattr(expr.ty, "shape", None)
+    if shape is None or not all(isinstance(d, tirx.IntImm) for d in shape.values):
+        return None
+    return [int(d) for d in shape.values]
+
+
+def function_pass(pass_name: str, rewrite_function, every_function: bool = True) -> tvm.transform.Pass:
+    """A module pass applying ``rewrite_function(mod, name) -> mod`` to every Relax function (a training
+    module: main, loss_and_grads, train_step, apply_update), or to ``main`` alone."""
+
+    @tvm.transform.module_pass(opt_level=0, name=pass_name)
+    def run(mod, _ctx):
+        names = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function)
+                 and (every_function or gv.name_hint == "main")]
+        for name in names:
+            mod = rewrite_function(mod, name)
+        return mod
+
+    return run
+
+
+def rewritten(mod: tvm.IRModule, name: str, mutator) -> tvm.IRModule:
+    """``mod`` with function ``name`` visited by ``mutator`` (a PyExprMutator made on ``mod``), plus the
+    PrimFuncs the mutator added to its builder."""
+    func = mod[name]
+    body = mutator.visit_expr(func).body
+    out = tvm.IRModule(dict(mutator.builder_.get().functions.items()), attrs=mod.attrs)
+    out[name] = relax.Function(func.params, body, func.ret_ty, attrs=func.attrs)
+    return out
 
 
 def _replace_main(mod: tvm.IRModule, func: relax.Function, body) -> tvm.IRModule:

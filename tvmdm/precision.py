@@ -25,7 +25,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from tvmdm.errors import ShapeError
-from tvmdm.graph_rewrites import bindings_of, call_op
+from tvmdm.graph_rewrites import bindings_of, call_op, function_pass, rewritten, static_shape
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Which target kinds each reduced precision is built for (its kernels and schedules are target-specific).
@@ -111,15 +111,6 @@ def gemm_func(lead, k: int, n: int, batch: int = 0) -> tirx.PrimFunc:
     return _private(te.create_prim_func([a, w, out])).with_attr("op_pattern", 4)
 
 
-def _static(shape) -> list[int] | None:
-    dims = []
-    for d in shape.values:
-        if not isinstance(d, tirx.IntImm):
-            return None
-        dims.append(int(d))
-    return dims
-
-
 def _weights(func: relax.Function) -> set:
     """The parameters of ``func`` after its inputs (its "num_input" attribute): the model's weights."""
     n_in = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
@@ -162,7 +153,7 @@ def check_static_shapes(mod: tvm.IRModule) -> None:
     weights, bindings, seen = _weights(func), bindings_of(func), {}
     for var, value in bindings.items():
         if call_op(value) == "relax.matmul" and _weight_operand(value.args[1], weights, bindings, seen) and \
-                _static(value.args[0].ty.shape) is None:
+                static_shape(value.args[0]) is None:
             x = value.args[0]
             raise ShapeError(f"precision='bf16' needs static shapes, but a weight contraction reads {x.name} of "
                              f"shape {list(x.ty.shape.values)}: bind the inputs' shapes with shapes= "
@@ -190,7 +181,7 @@ def to_bf16_transposed_func(shape) -> tirx.PrimFunc:
 def _batched(x, w):
     """The plan of a batched contraction of activations with equal batch dims (the attention's scores and
     context: [B, h, S, d] x [B, h, d, S]), its right operand packed per call; None for any other."""
-    xs, ws = _static(x.ty.shape), _static(w.ty.shape)
+    xs, ws = static_shape(x), static_shape(w)
     if xs is None or ws is None or len(xs) < 3 or len(xs) != len(ws) or xs[:-2] != ws[:-2] or xs[-1] != ws[-2] \
             or x.ty.dtype != "float32" or w.ty.dtype != "float32":
         return None
@@ -221,7 +212,7 @@ def _plan(func: relax.Function, weights: set | None) -> dict:
         operand = _matrix_operand(w, bindings) if weights is None else _weight_operand(w, weights, bindings, seen)
         if operand is None or x.ty.dtype != "float32" or operand[0].ty.dtype != "float32":
             continue
-        x_shape, w_shape = _static(x.ty.shape), _static(operand[0].ty.shape)
+        x_shape, w_shape = static_shape(x), static_shape(operand[0])
         if x_shape is None or w_shape is None:
             continue  # symbolic rows: check_static_shapes refuses such models before the passes run
         n, k = (w_shape if operand[1] else w_shape[::-1])
@@ -235,10 +226,12 @@ def _weight_gradient(x, w, bindings: dict):
     """("wgrad", X, dY, rows, K, N) when the contraction is matmul(permute_dims(X), dY) of 2-D X [rows, K] and
     dY [rows, N] in fp32: the left operand is converted transposed, in tiles."""
     left, right = _matrix_operand(x, bindings), _matrix_operand(w, bindings)
-    if left is None or right is None or not left[1] or right[1] or None in (_static(left[0].ty.shape),
-                                                                             _static(right[0].ty.shape)):
+    if left is None or right is None or not left[1] or right[1]:
         return None
-    (rows, k), (rows_dy, n) = _static(left[0].ty.shape), _static(right[0].ty.shape)
+    shapes = static_shape(left[0]), static_shape(right[0])
+    if None in shapes:
+        return None
+    (rows, k), (rows_dy, n) = shapes
     if rows != rows_dy or left[0].ty.dtype != "float32" or right[0].ty.dtype != "float32" or n % LANES or rows % PAIR:
         return None
     return "wgrad", left[0], right[0], rows, k, n
@@ -251,22 +244,8 @@ def bf16_contractions(training: bool = False) -> tvm.transform.Pass:
     contraction with a 2-D right operand, packed each step, and each weight gradient X^T dY as one contraction
     over all rows. Activations read by several contractions (Q, K, V) are converted once."""
 
-    return _function_pass("tvmdm.BF16Contractions", training, lambda mod, name: _rewrite_function(mod, name, training))
-
-
-def _function_pass(pass_name: str, training: bool, rewrite_function) -> tvm.transform.Pass:
-    """A module pass applying ``rewrite_function(mod, name) -> mod`` to ``main`` (inference) or to every Relax
-    function (a training module: main, loss_and_grads, train_step, apply_update)."""
-
-    @tvm.transform.module_pass(opt_level=0, name=pass_name)
-    def run(mod, _ctx):
-        names = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function)
-                 and (training or gv.name_hint == "main")]
-        for name in names:
-            mod = rewrite_function(mod, name)
-        return mod
-
-    return run
+    return function_pass("tvmdm.BF16Contractions", lambda mod, name: _rewrite_function(mod, name, training),
+                         every_function=training)
 
 
 def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRModule:
@@ -283,7 +262,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
 
         def _convert(self, x, make, shape, key):
             if (x, key) not in self.converted:
-                gv = self.builder_.add_func(make(_static(x.ty.shape)), key)
+                gv = self.builder_.add_func(make(static_shape(x)), key)
                 self.converted[(x, key)] = self.builder_.emit(relax.call_tir(
                     gv, [self.visit_expr(x)], relax.TensorType(shape, BITS)))
             return self.converted[(x, key)]
@@ -317,12 +296,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
             self.set_var_remap(binding.var, out)
             return None
 
-    mutator = ToBF16(mod)
-    new_func = mutator.visit_expr(func)
-    out = mutator.builder_.get()  # the module with the new PrimFuncs
-    out = tvm.IRModule(dict(out.functions.items()), attrs=mod.attrs)
-    out[name] = relax.Function(func.params, new_func.body, func.ret_ty, attrs=func.attrs)
-    return out
+    return rewritten(mod, name, ToBF16(mod))
 
 
 def half_contractions(dtype: str = "float16", training: bool = False) -> tvm.transform.Pass:
@@ -332,8 +306,8 @@ def half_contractions(dtype: str = "float16", training: bool = False) -> tvm.tra
     ``training``: every fp32 contraction of every function (forward and backward; the fp32 master weights are
     cast each step)."""
 
-    return _function_pass("tvmdm.HalfContractions", training, lambda mod, name: _half_function(mod, name, dtype,
-                                                                                              training))
+    return function_pass("tvmdm.HalfContractions", lambda mod, name: _half_function(mod, name, dtype, training),
+                         every_function=training)
 
 
 def _half_function(mod: tvm.IRModule, name: str, dtype: str, training: bool) -> tvm.IRModule:
@@ -355,9 +329,7 @@ def _half_function(mod: tvm.IRModule, name: str, dtype: str, training: bool) -> 
             self.set_var_remap(binding.var, bb.emit(relax.op.matmul(x, w, out_dtype="float32")))
             return None
 
-    out = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)
-    out[name] = ToHalf(mod).visit_expr(func)
-    return out
+    return rewritten(mod, name, ToHalf(mod))
 
 
 def precision_passes(precision: str = "fp32", training: bool = False, target_kind: str = "llvm") -> list:
