@@ -148,8 +148,10 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     t0 = time.perf_counter()
     provenance: dict[str, list[str]] = {}
     read_fractions: dict[str, dict[int, float]] = {}
+    tuning_logs = resolve_logs(tuning_logs, tvm_target)
     mod = fuse_stage.fuse(imported.mod, fusion, provenance, layout, read_fractions, precision=precision,
-                          target_kind=tvm_target.kind.name)
+                          target_kind=tvm_target.kind.name, packed_lanes=packed_lanes(tuning_logs, tvm_target,
+                                                                                      precision))
     mod, tuned = _schedule(mod, tvm_target, tuning_logs, precision)
     kernel_ops = {k: provenance.get(k, [fuse_stage.op_name(k)]) for k in kernels(mod)}
     timings["fuse+schedule"] = time.perf_counter() - t0
@@ -174,20 +176,39 @@ def _import(model, shapes, params):
     return import_onnx(model, shapes=shapes)
 
 
+def resolve_logs(tuning_logs, target):
+    """"shipped" -> the shipped logs tuned for ``target`` (a list, maybe empty); anything else as given."""
+    from schedules import shipped_logs
+
+    return shipped_logs(target) if isinstance(tuning_logs, str) and tuning_logs == "shipped" else tuning_logs
+
+
+def packed_lanes(tuning_logs, target, precision: str) -> int | None:
+    """The weight panel width for schedules.packed when the fp32 contractions have no tuned records to use: the
+    shipped logs were asked for and none suits this CPU (an explicit ``tuning_logs=None`` keeps the plain
+    default schedules)."""
+    from schedules.packed import panel_lanes
+
+    if target.kind.name != "llvm" or precision != "fp32" or not isinstance(tuning_logs, list) or tuning_logs:
+        return None
+    return panel_lanes(target)
+
+
 def _schedule(mod, target, tuning_logs, precision: str = "fp32") -> tuple[tvm.IRModule, list[str]]:
     """Tuned records where the logs have them, our default schedules for every other kernel; on the CPU first
     the hand-written schedules: column reductions and 2-D transposes (schedules.reductions, .transposes) and,
     under bf16, the contractions and conversions (schedules.bf16)."""
-    from schedules import apply_default_schedules, apply_tuning_logs, shipped_logs
+    from schedules import apply_default_schedules, apply_tuning_logs
     from schedules.bf16 import apply_bf16_schedules
+    from schedules.packed import apply_packed_schedules
     from schedules.reductions import apply_reduction_schedules
     from schedules.transposes import apply_transpose_schedules
 
-    if tuning_logs == "shipped":
-        tuning_logs = shipped_logs(target.kind.name)
+    tuning_logs = resolve_logs(tuning_logs, target)
     tuned = []
     if target.kind.name == "llvm":
         mod, _ = apply_transpose_schedules(apply_reduction_schedules(mod)[0])
+        mod, _ = apply_packed_schedules(mod, target)
     if precision == "bf16" and target.kind.name == "llvm":
         mod, _ = apply_bf16_schedules(mod, target)  # hand-written micro-kernel: no log needed
     if tuning_logs:

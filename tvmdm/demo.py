@@ -34,8 +34,10 @@ def run_demo(name: str = "bert-base-layer", *, batch: int | None = None, seq: in
     compiled = tvmdm.compile(proto, target=target, shapes=resolve_shapes(name, None, batch, seq))
     feeds = tvmdm.random_inputs(compiled, batch=batch, seq=seq)
 
+    packed = sum("packed_gemm" in k for k in compiled.kernels)  # schedules.packed: CPUs the logs do not suit
     print(f"running tvmdm ({len(compiled.tuned_kernels)}/{len(compiled.kernels)} kernels from tuning logs, "
-          "the rest with default schedules) ...", flush=True)
+          + (f"{packed} packed-weight contractions, " if packed else "") + "the rest with default schedules) ...",
+          flush=True)
     outputs = compiled.run(feeds)
     tvm_s = _median_seconds(lambda: compiled.run(feeds), repeat=5)
     sess = tvmdm.build.ort_session(proto)

@@ -286,15 +286,17 @@ def paper_graph_rewrites(layout: str = "bshd") -> tvm.transform.Pass:
 
 
 def graph_passes(fusion: str, layout: str = "bshd", read_fractions: dict | None = None, lift_params: bool = True,
-                 precision: str = "fp32", target_kind: str = "llvm") -> list:
+                 precision: str = "fp32", target_kind: str = "llvm", packed_lanes: int | None = None) -> list:
     """Graph-level passes before lowering: the paper's rewrites, the precision rewrite (bf16 contractions see the
     merged QKV), weight-only work lifted to main_transform_params, then the paper's pattern fusion.
-    ``lift_params``: lift (inference only: a training step changes its weights every step)."""
+    ``lift_params``: lift (inference only: a training step changes its weights every step). ``packed_lanes``:
+    fp32 weights packed in panels that wide (see precision.packed_fp32_contractions)."""
     passes = [paper_graph_rewrites(layout)] if fusion == "paper" else []
-    passes += precision_passes(precision, training=not lift_params, target_kind=target_kind)
+    passes += precision_passes(precision, training=not lift_params, target_kind=target_kind,
+                               packed_lanes=packed_lanes)
     if not lift_params:  # a training step: its weight gradients read the activations transposed, in place
         passes.append(transposed_left_contractions())
-    if lift_params and (fusion == "paper" or precision != "fp32"):
+    if lift_params and (fusion == "paper" or precision != "fp32" or packed_lanes):
         passes.append(relax.transform.LiftTransformParams())
     if fusion == "paper":
         passes += [relax.transform.FuseOpsByPattern(paper_patterns(), bind_constants=False, annotate_codegen=False),
@@ -304,13 +306,15 @@ def graph_passes(fusion: str, layout: str = "bshd", read_fractions: dict | None 
 
 def fusion_pipeline(fusion: str = "tvm", provenance: dict | None = None, layout: str = "bshd",
                     read_fractions: dict | None = None, lift_params: bool = True,
-                    precision: str = "fp32", target_kind: str = "llvm") -> tvm.transform.Pass:
+                    precision: str = "fp32", target_kind: str = "llvm",
+                    packed_lanes: int | None = None) -> tvm.transform.Pass:
     """The Sequential pass for a fusion level; ``provenance`` (a dict) receives kernel -> ops,
     ``read_fractions`` kernel -> {input index: share of it read} (see record_read_fractions)."""
     if fusion not in FUSION_LEVELS:
         raise ValueError(f"unknown fusion level {fusion!r}; choose one of {list(FUSION_LEVELS)}")
     provenance = {} if provenance is None else provenance
-    passes = graph_passes(fusion, layout, read_fractions, lift_params, precision, target_kind) + lowering_passes()
+    passes = graph_passes(fusion, layout, read_fractions, lift_params, precision, target_kind,
+                          packed_lanes) + lowering_passes()
     if fusion in ("tvm", "paper"):
         passes += [relax.transform.FuseOps(), record_kernel_ops(provenance), relax.transform.FuseTIR()]
         if fusion == "paper":
@@ -324,5 +328,6 @@ def fusion_pipeline(fusion: str = "tvm", provenance: dict | None = None, layout:
 
 def fuse(mod: tvm.IRModule, fusion: str = "tvm", provenance: dict | None = None, layout: str = "bshd",
          read_fractions: dict | None = None, lift_params: bool = True, precision: str = "fp32",
-         target_kind: str = "llvm") -> tvm.IRModule:
-    return fusion_pipeline(fusion, provenance, layout, read_fractions, lift_params, precision, target_kind)(mod)
+         target_kind: str = "llvm", packed_lanes: int | None = None) -> tvm.IRModule:
+    return fusion_pipeline(fusion, provenance, layout, read_fractions, lift_params, precision, target_kind,
+                           packed_lanes)(mod)

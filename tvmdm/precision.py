@@ -20,6 +20,9 @@ compat), and uint16 keeps their bits exact.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import numpy as np
 import tvm
 from tvm import relax, te, tirx
@@ -38,6 +41,33 @@ TRANSPOSED_BLOCK = "to_bf16_t"  # the transposing conversion (weight gradients' 
 LANES = 16  # fp32 accumulators per vdpbf16ps
 PAIR = 2  # bf16 values per accumulator per vdpbf16ps
 BITS = "uint16"
+FP32_GEMM_BLOCK = "packed_gemm"  # fp32 contraction on packed weights (schedules.packed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How a rewritten contraction stores its operands: the weight packed as [N/lanes, K/pair, lanes, pair]
+    (each ``lanes`` output columns' panel contiguous over K), values in ``dtype`` written by ``encode`` and read
+    back as fp32 by ``decode``; the contraction's block is named ``block``."""
+    block: str
+    dtype: str
+    lanes: int
+    pair: int
+    encode: Callable
+    decode: Callable
+    pack_name: str
+
+    def fits(self, k: int, n: int) -> bool:
+        return n % self.lanes == 0 and k % self.pair == 0
+
+
+BF16 = Packing(GEMM_BLOCK, BITS, LANES, PAIR, lambda v: bf16_bits(v), lambda v: bf16_value(v), "pack_bf16")
+
+
+def fp32_packing(lanes: int) -> Packing:
+    """fp32 operands, weights in panels of ``lanes`` columns (schedules.packed's micro-kernel reads one panel
+    row per k as a few vectors, contiguous instead of a weight row apart)."""
+    return Packing(FP32_GEMM_BLOCK, "float32", lanes, 1, lambda v: v, lambda v: v, "pack_weight")
 
 
 def check_precision(precision: str, target_kind: str | None = None) -> str:
@@ -80,33 +110,40 @@ def _private(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.without_attr("global_symbol") if func.attrs and "global_symbol" in func.attrs else func
 
 
-def pack_bf16_func(k: int, n: int, transposed: bool, batch=()) -> tirx.PrimFunc:
-    """W [batch..., K, N] (or [batch..., N, K] when ``transposed``) -> bf16 bits [batch..., N/16, K/2, 16, 2]."""
+def packed_shape(k: int, n: int, packing: Packing = BF16) -> list[int]:
+    return [n // packing.lanes, k // packing.pair, packing.lanes, packing.pair]
+
+
+def pack_bf16_func(k: int, n: int, transposed: bool, batch=(), packing: Packing = BF16) -> tirx.PrimFunc:
+    """W [batch..., K, N] (or [batch..., N, K] when ``transposed``) -> ``packing``'s layout (bf16: bits as
+    [batch..., N/16, K/2, 16, 2])."""
     batch = tuple(batch)
     w = te.placeholder(_i64(batch + ((n, k) if transposed else (k, n))), "float32", name="w")
 
     def element(*idx):
         *b, no, ko, ni, ki = idx
-        row, col = ko * PAIR + ki, no * LANES + ni
-        return bf16_bits(w(*b, col, row) if transposed else w(*b, row, col))
+        row, col = ko * packing.pair + ki, no * packing.lanes + ni
+        return packing.encode(w(*b, col, row) if transposed else w(*b, row, col))
 
-    out = te.compute(_i64(batch + (n // LANES, k // PAIR, LANES, PAIR)), element, name="pack_bf16")
+    out = te.compute(_i64(batch + tuple(packed_shape(k, n, packing))), element, name=packing.pack_name)
     return _private(te.create_prim_func([w, out]))
 
 
-def gemm_func(lead, k: int, n: int, batch: int = 0) -> tirx.PrimFunc:
-    """C[lead..., N] (fp32) = A[lead..., K] (bf16 bits) x packed W (bf16 bits), block ``GEMM_BLOCK``. With
-    ``batch`` > 0, W has the first ``batch`` dims of ``lead`` in front (batched contractions: attention)."""
-    a = te.placeholder(_i64(tuple(lead) + (k,)), BITS, name="a")
-    w = te.placeholder(_i64(tuple(lead[:batch]) + (n // LANES, k // PAIR, LANES, PAIR)), BITS, name="w")
+def gemm_func(lead, k: int, n: int, batch: int = 0, packing: Packing = BF16) -> tirx.PrimFunc:
+    """C[lead..., N] (fp32) = A[lead..., K] x packed W, both stored as ``packing`` says (bf16 bits by default),
+    block ``packing.block``. With ``batch`` > 0, W has the first ``batch`` dims of ``lead`` in front (batched
+    contractions: attention)."""
+    lanes, pair, decode = packing.lanes, packing.pair, packing.decode
+    a = te.placeholder(_i64(tuple(lead) + (k,)), packing.dtype, name="a")
+    w = te.placeholder(_i64(tuple(lead[:batch]) + tuple(packed_shape(k, n, packing))), packing.dtype, name="w")
     r = te.reduce_axis((tirx.IntImm("int64", 0), tirx.IntImm("int64", k)), name="k")
 
     def element(*idx):
         *rows, col = idx
-        return te.sum(bf16_value(a(*rows, r)) *
-                      bf16_value(w(*rows[:batch], col // LANES, r // PAIR, col % LANES, r % PAIR)), axis=r)
+        return te.sum(decode(a(*rows, r)) * decode(w(*rows[:batch], col // lanes, r // pair, col % lanes, r % pair)),
+                      axis=r)
 
-    out = te.compute(_i64(tuple(lead) + (n,)), element, name=GEMM_BLOCK)
+    out = te.compute(_i64(tuple(lead) + (n,)), element, name=packing.block)
     # A contraction with element-wise epilogues: FuseOps may fuse bias / GELU / residual after it.
     return _private(te.create_prim_func([a, w, out])).with_attr("op_pattern", 4)
 
@@ -189,18 +226,18 @@ def _batched(x, w):
     return ("gemm", x, w, False, xs, k, n, len(xs) - 2) if n % LANES == 0 and k % PAIR == 0 else None
 
 
-def _plan(func: relax.Function, weights: set | None) -> dict:
+def _plan(func: relax.Function, weights: set | None, packing: Packing = BF16) -> dict:
     """The contractions to rewrite: var -> ("gemm", x, w, transposed, x shape, K, N, batch dims of w) or
     ("wgrad", x, dy, rows, K, N). ``weights`` None (training): every 2-D right operand and the weight
     gradients; else only right operands computed from ``weights`` alone. Batched
-    contractions of activations (attention) in both."""
+    contractions of activations (attention) in both, under bf16 only."""
     bindings, seen = bindings_of(func), {}
     targets = {}
     for var, value in bindings.items():
         if call_op(value) != "relax.matmul":
             continue
         x, w = value.args
-        batched = _batched(x, w)
+        batched = _batched(x, w) if packing is BF16 else None
         if batched is not None:
             targets[var] = batched
             continue
@@ -216,8 +253,8 @@ def _plan(func: relax.Function, weights: set | None) -> dict:
         if x_shape is None or w_shape is None:
             continue  # symbolic rows: check_static_shapes refuses such models before the passes run
         n, k = (w_shape if operand[1] else w_shape[::-1])
-        if n % LANES or k % PAIR:
-            continue  # stays fp32: the packed layout needs N % 16 == 0 and K even
+        if not packing.fits(k, n):
+            continue  # stays as it is: the packed layout needs whole panels (bf16: N % 16 == 0 and K even)
         targets[var] = ("gemm", x, operand[0], operand[1], x_shape, k, n, 0)
     return targets
 
@@ -248,9 +285,17 @@ def bf16_contractions(training: bool = False) -> tvm.transform.Pass:
                          every_function=training)
 
 
-def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRModule:
+def packed_fp32_contractions(lanes: int) -> tvm.transform.Pass:
+    """Inference on CPUs without tuned schedules: matmul(x, W) with W a 2-D fp32 weight (or weight-only, or
+    transposed) -> packed_gemm(x, pack(W)), W packed in panels of ``lanes`` columns ([N/lanes, K, lanes, 1],
+    made once at load by LiftTransformParams) for schedules.packed's register-tiled micro-kernel."""
+    packing = fp32_packing(lanes)
+    return function_pass("tvmdm.PackedContractions", lambda mod, name: _rewrite_function(mod, name, False, packing))
+
+
+def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Packing = BF16) -> tvm.IRModule:
     func = mod[name]
-    targets = _plan(func, None if training else _weights(func))
+    targets = _plan(func, None if training else _weights(func), packing)
     if not targets:
         return mod
 
@@ -261,6 +306,8 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
             self.converted = {}
 
         def _convert(self, x, make, shape, key):
+            if packing is not BF16:  # fp32 operands are read as they are
+                return self.visit_expr(x)
             if (x, key) not in self.converted:
                 gv = self.builder_.add_func(make(static_shape(x)), key)
                 self.converted[(x, key)] = self.builder_.emit(relax.call_tir(
@@ -269,12 +316,12 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool) -> tvm.IRMod
 
         def _pack(self, w, k, n, transposed, batch=()):
             bb = self.builder_
-            pack = bb.add_func(pack_bf16_func(k, n, transposed, batch), "pack_bf16")
-            shape = list(batch) + [n // LANES, k // PAIR, LANES, PAIR]
-            return bb.emit(relax.call_tir(pack, [w], relax.TensorType(shape, BITS)))
+            pack = bb.add_func(pack_bf16_func(k, n, transposed, batch, packing), packing.pack_name)
+            shape = list(batch) + packed_shape(k, n, packing)
+            return bb.emit(relax.call_tir(pack, [w], relax.TensorType(shape, packing.dtype)))
 
         def _gemm(self, a_bits, packed, lead, k, n, batch=0):
-            gemm = self.builder_.add_func(gemm_func(lead, k, n, batch), GEMM_BLOCK)
+            gemm = self.builder_.add_func(gemm_func(lead, k, n, batch, packing), packing.block)
             return self.builder_.emit(relax.call_tir(gemm, [a_bits, packed], relax.TensorType(list(lead) + [n],
                                                                                                "float32")))
 
@@ -332,13 +379,15 @@ def _half_function(mod: tvm.IRModule, name: str, dtype: str, training: bool) -> 
     return rewritten(mod, name, ToHalf(mod))
 
 
-def precision_passes(precision: str = "fp32", training: bool = False, target_kind: str = "llvm") -> list:
+def precision_passes(precision: str = "fp32", training: bool = False, target_kind: str = "llvm",
+                     packed_lanes: int | None = None) -> list:
     """The graph passes for ``precision``, run before fusion (then LiftTransformParams packs the weights once,
     for inference). ``training``: the module is a training step (tvmdm.train). CPU bf16 has its own packed
-    kernels; on CUDA both half types are casts around the contractions, left to dlight."""
+    kernels; on CUDA both half types are casts around the contractions, left to dlight. ``packed_lanes``
+    (fp32 inference on the CPU): pack the weights in panels that wide for schedules.packed."""
     check_precision(precision, target_kind)
     if precision == "fp32":
-        return []
+        return [packed_fp32_contractions(packed_lanes)] if packed_lanes and not training else []
     if precision == "bf16" and target_kind == "llvm":
         return [bf16_contractions(training)]
     return [half_contractions({"bf16": "bfloat16", "fp16": "float16"}[precision], training)]

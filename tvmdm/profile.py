@@ -22,7 +22,7 @@ class KernelProfile:
 
     @property
     def is_contraction(self) -> bool:
-        return "matmul" in self.name or "dense" in self.name or "einsum" in self.name
+        return any(word in self.name for word in ("matmul", "dense", "einsum", "gemm"))
 
     @property
     def gflops_per_s(self) -> float | None:

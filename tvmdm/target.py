@@ -18,6 +18,50 @@ def host_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu())
 
 
+# Vector-instruction families whose presence /proc/cpuinfo reports under the same name as LLVM (after dropping
+# "_", "-" and "."): the ones vectorized kernels may emit.
+_CHECKED_FEATURE_PREFIXES = ("avx", "amx", "fma", "f16c", "gfni", "vaes", "vpclmulqdq")
+
+
+def _normalized(feature: str) -> str:
+    return feature.replace("_", "").replace("-", "").replace(".", "").lower()
+
+
+def host_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
+    """The CPU flags the kernel reports (normalized names), or None where there is no /proc/cpuinfo."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return {_normalized(flag) for flag in line.partition(":")[2].split()}
+    except OSError:
+        return None
+    return None
+
+
+def missing_host_features(cpu: str, flags: set[str] | None) -> list[str]:
+    """LLVM features of ``cpu`` that the host does not have.
+
+    LLVM names the host CPU by its family and model alone: a Zen 4 VM whose hypervisor hides AVX-512 is still
+    "znver4", and code built for it dies with SIGILL. Each feature LLVM assumes for ``cpu`` in the vector
+    families above but the kernel's flags lack is returned, to be switched off with ``mattr``."""
+    if flags is None:
+        return []
+    target = tvm.target.Target({"kind": "llvm", "mcpu": cpu})
+    assumed = sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target))
+    return [f for f in assumed if _normalized(f).startswith(_CHECKED_FEATURE_PREFIXES) and _normalized(f) not in flags]
+
+
+def host_llvm_target(**extra) -> dict:
+    """The llvm target dict for this machine: its CPU, with the features it lacks switched off."""
+    cpu = host_cpu()
+    target = {"kind": "llvm", "mcpu": cpu, **extra}
+    missing = missing_host_features(cpu, host_flags())
+    if missing:
+        target["mattr"] = [f"-{f}" for f in missing]
+    return target
+
+
 def num_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -34,7 +78,7 @@ def make_target(target="llvm") -> tvm.target.Target:
     if kind == "llvm":
         if arch:
             raise TargetError(f"unknown target {target!r}: llvm takes no suffix")
-        return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "num-cores": num_cores()})
+        return tvm.target.Target(host_llvm_target(**{"num-cores": num_cores()}))
     if kind == "cuda":
         arch = arch or "sm_90"
         if arch not in CUDA_ARCHES:
@@ -42,8 +86,19 @@ def make_target(target="llvm") -> tvm.target.Target:
         return tvm.target.Target(
             {"kind": "cuda", "arch": arch, "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
              "thread_warp_size": 32},
-            host={"kind": "llvm", "mcpu": host_cpu()})
+            host=host_llvm_target())
     raise TargetError(f"unknown target {target!r}; use 'llvm', 'cuda' or 'cuda:<arch>' ({', '.join(CUDA_ARCHES)})")
+
+
+def vector_features(target: tvm.target.Target) -> set[str]:
+    """The vector-instruction features (AVX, AVX-512, AMX, FMA...) an llvm target's code may use."""
+    features = tvm.target.codegen.llvm_get_cpu_features(target)
+    return {str(f) for f in features if _normalized(str(f)).startswith(_CHECKED_FEATURE_PREFIXES)}
+
+
+def vector_lanes(target: tvm.target.Target) -> int:
+    """fp32 values per vector register of an llvm target: 16 with AVX-512, else 8 (AVX2)."""
+    return 16 if tvm.target.codegen.target_has_features("avx512f", target) else 8
 
 
 def is_gpu(target: tvm.target.Target) -> bool:

@@ -1,0 +1,84 @@
+"""fp32 contractions on packed weights, scheduled by hand on CPUs that have no tuned records.
+
+tvmdm.precision.packed_fp32_contractions stores each weight as panels of PANEL_VECTORS vectors' worth of
+columns, contiguous over K ([N/lanes, K, lanes, 1], packed once at load). The micro-kernel keeps ROWS x
+PANEL_VECTORS vector accumulators in registers (12: fits AVX2's 16 registers and AVX-512's 32); each k loads
+one panel row (PANEL_VECTORS vectors, contiguous) and broadcasts ROWS activations. A parallel task is one
+panel against the rows of one leading index (for a [B, S, K] input: S rows), so the panel stays in L1/L2
+while the rows stream. Fused epilogues (bias, GELU, residual) run per tile from the accumulators.
+
+Measured on 2 Zen 4 cores without AVX-512 (AVX2, 8 lanes): [1024, 768] x [768, 3072] 147 GFLOP/s,
+[1024, 3072] x [3072, 768] 144, 768 x 768 137 (numpy's GEMM: 138); the same contractions on the unpacked
+weight with the same micro-kernel: 50-68 GFLOP/s (a weight row apart per k: one page per k for N=3072).
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.s_tir import Schedule
+
+from schedules.apply import apply_hand_schedule
+from schedules.default import inline_elementwise
+from tvmdm.precision import FP32_GEMM_BLOCK
+from tvmdm.target import vector_lanes
+
+ROWS = 4
+PANEL_VECTORS = 3
+
+
+def panel_lanes(target: tvm.target.Target) -> int:
+    """Columns per packed weight panel on ``target``."""
+    return PANEL_VECTORS * vector_lanes(target)
+
+
+def epilogue_into_tile(sch, acc, at, lanes: int) -> None:
+    """Compute the epilogue straight from the accumulators, per tile (under loop ``at``), vectorized."""
+    target = acc
+    for consumer in sch.get_consumers(acc):
+        try:
+            sch.reverse_compute_inline(consumer)
+        except Exception:  # noqa: BLE001 - not inlinable: it runs per tile after the write-back
+            sch.reverse_compute_at(consumer, at)
+            target = consumer
+    for block in {acc, target}:
+        inner = sch.get_loops(block)[-1]
+        if int(sch.get(inner).extent) % lanes == 0:
+            _, vector = sch.split(inner, [None, lanes])
+            sch.vectorize(vector)
+
+
+def schedule_packed_gemm(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc:
+    """The micro-kernel schedule for a kernel holding a ``packed_gemm`` block (and fused epilogues); ``lanes``:
+    fp32 values per vector register."""
+    sch = Schedule(func)
+    inline_elementwise(sch, sch.get_sblock("root"))
+    gemm = sch.get_sblock(FP32_GEMM_BLOCK)
+    *outer, m, n, k = sch.get_loops(gemm)
+    rows = next(r for r in (ROWS, 2, 1) if int(sch.get(m).extent) % r == 0)
+    mo, mi = sch.split(m, [None, rows])
+    no, nv, ni = sch.split(n, [None, PANEL_VECTORS, lanes])
+    sch.reorder(no, *outer, mo, k, mi, nv, ni)
+    sch.parallel(sch.fuse(no, *outer) if outer else no)
+    acc = sch.cache_write(gemm, 0, "local")
+    sch.reverse_compute_at(acc, mo)
+    sch.unroll(mi)
+    sch.unroll(nv)
+    sch.vectorize(ni)  # before decompose_reduction: vectorize refuses an update block without its init
+    init = sch.decompose_reduction(gemm, k)
+    sch.vectorize(sch.get_loops(init)[-1])
+    epilogue_into_tile(sch, acc, mo, lanes)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def is_packed_gemm(func: tirx.PrimFunc) -> bool:
+    try:
+        Schedule(func).get_sblock(FP32_GEMM_BLOCK)
+        return True
+    except Exception:  # noqa: BLE001 - get_sblock raises when there is no such block
+        return False
+
+
+def apply_packed_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[tvm.IRModule, list[str]]:
+    """Schedule every kernel with a packed fp32 contraction; returns the module and their names."""
+    lanes = vector_lanes(target)
+    return apply_hand_schedule(mod, lambda f: schedule_packed_gemm(f, lanes) if is_packed_gemm(f) else None)
