@@ -84,3 +84,29 @@ def test_shipped_logs_tuned_for_missing_vector_features_are_skipped(tmp_path, mo
 def test_panel_width_follows_the_vector_registers():
     assert panel_lanes(tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "mattr": ["-avx512f"]})) == 24
     assert panel_lanes(tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})) == 48
+
+
+@pytest.mark.parametrize("fusion", ["tvm", "paper"])
+def test_training_step_without_logs_packs_each_step_and_matches_the_plain_step(fusion):
+    # Forward and input-gradient contractions pack their 2-D operand per step (the weights change), each weight
+    # gradient X^T dY reads a transposed copy of X; the numbers are those of the plain kernels.
+    rng = np.random.default_rng(0)
+    batch = {"hidden_states": rng.standard_normal((2, 16, 96)).astype(np.float32),
+             "attention_mask": np.ones((2, 16), np.int64),
+             "target": rng.standard_normal((2, 16, 96)).astype(np.float32)}
+    model = build_encoder_layer(LAYER)
+    packed = tvmdm.compile_train_step(model, loss="mse", batch=2, seq=16, tuning_logs=[], fusion=fusion)
+    plain = tvmdm.compile_train_step(model, loss="mse", batch=2, seq=16, tuning_logs=None, fusion=fusion)
+    calls = call_sites(packed.mod, "train_step")
+    assert not any("matmul_tn" in k for k in calls), calls  # every weight gradient is a packed contraction
+    # 6 forward, 3 input gradients (output, FFN down and up; the layer's input is not trained, so Q/K/V pass
+    # none back) and 6 weight gradients; paper fusion merges Q, K, V: 4 forward, 4 weight gradients
+    assert sum(n for k, n in calls.items() if "packed_gemm" in k) == (11 if fusion == "paper" else 15), calls
+    for name in calls:
+        if any(word in name for word in ("packed_gemm", "pack_weight", "transpose_rows")):
+            assert "T.parallel" in packed.mod[name].script(), name
+    loss, grads = packed.gradients(batch)
+    want_loss, want = plain.gradients(batch)
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    for name, g in want.items():
+        np.testing.assert_allclose(grads[name], g, rtol=1e-5, atol=1e-6 * float(np.abs(g).max()), err_msg=name)

@@ -42,6 +42,8 @@ LANES = 16  # fp32 accumulators per vdpbf16ps
 PAIR = 2  # bf16 values per accumulator per vdpbf16ps
 BITS = "uint16"
 FP32_GEMM_BLOCK = "packed_gemm"  # fp32 contraction on packed weights (schedules.packed)
+FP32_PACK_BLOCK = "pack_weight"  # its weight packing
+TRANSPOSED_ROWS_BLOCK = "transpose_rows"  # X^T of its weight gradients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +69,7 @@ BF16 = Packing(GEMM_BLOCK, BITS, LANES, PAIR, lambda v: bf16_bits(v), lambda v: 
 def fp32_packing(lanes: int) -> Packing:
     """fp32 operands, weights in panels of ``lanes`` columns (schedules.packed's micro-kernel reads one panel
     row per k as a few vectors, contiguous instead of a weight row apart)."""
-    return Packing(FP32_GEMM_BLOCK, "float32", lanes, 1, lambda v: v, lambda v: v, "pack_weight")
+    return Packing(FP32_GEMM_BLOCK, "float32", lanes, 1, lambda v: v, lambda v: v, FP32_PACK_BLOCK)
 
 
 def check_precision(precision: str, target_kind: str | None = None) -> str:
@@ -197,21 +199,24 @@ def check_static_shapes(mod: tvm.IRModule) -> None:
                              "(CLI: --shape NAME=D0xD1)")
 
 
-def to_bf16_transposed_func(shape) -> tirx.PrimFunc:
-    """x [lead..., K] (fp32) -> bf16 bits of x^T as [K, rows] (rows = the leading dims flattened): the left
-    operand of a weight gradient, X^T dY."""
+def to_bf16_transposed_func(shape, packing: Packing = BF16) -> tirx.PrimFunc:
+    """x [lead..., K] (fp32) -> x^T as [K, rows] (rows = the leading dims flattened) stored as ``packing`` says
+    (bf16 bits by default): the left operand of a weight gradient, X^T dY. For a 2-D x it is a plain
+    transpose, which schedules.transposes tiles when the values stay fp32."""
     *lead, k = shape
     rows = int(np.prod(lead))
     x = te.placeholder(_i64(shape), "float32", name="x")
 
     def element(col, row):
+        if len(lead) == 1:
+            return packing.encode(x(row, col))
         index, rest = [], row
         for d in reversed(lead):
             index.append(rest % d)
             rest = rest // d
-        return bf16_bits(x(*reversed(index), col))
+        return packing.encode(x(*reversed(index), col))
 
-    out = te.compute(_i64((k, rows)), element, name=TRANSPOSED_BLOCK)
+    out = te.compute(_i64((k, rows)), element, name=TRANSPOSED_BLOCK if packing is BF16 else TRANSPOSED_ROWS_BLOCK)
     return _private(te.create_prim_func([x, out]))
 
 
@@ -242,7 +247,7 @@ def _plan(func: relax.Function, weights: set | None, packing: Packing = BF16) ->
             targets[var] = batched
             continue
         if weights is None:  # training: a weight gradient X^T dY (tvmdm.backward flattened its rows)
-            wgrad = _weight_gradient(x, w, bindings)
+            wgrad = _weight_gradient(x, w, bindings, packing)
             if wgrad is not None:
                 targets[var] = wgrad
                 continue
@@ -259,7 +264,7 @@ def _plan(func: relax.Function, weights: set | None, packing: Packing = BF16) ->
     return targets
 
 
-def _weight_gradient(x, w, bindings: dict):
+def _weight_gradient(x, w, bindings: dict, packing: Packing = BF16):
     """("wgrad", X, dY, rows, K, N) when the contraction is matmul(permute_dims(X), dY) of 2-D X [rows, K] and
     dY [rows, N] in fp32: the left operand is converted transposed, in tiles."""
     left, right = _matrix_operand(x, bindings), _matrix_operand(w, bindings)
@@ -269,7 +274,8 @@ def _weight_gradient(x, w, bindings: dict):
     if None in shapes:
         return None
     (rows, k), (rows_dy, n) = shapes
-    if rows != rows_dy or left[0].ty.dtype != "float32" or right[0].ty.dtype != "float32" or n % LANES or rows % PAIR:
+    if rows != rows_dy or left[0].ty.dtype != "float32" or right[0].ty.dtype != "float32" or \
+            not packing.fits(rows, n):
         return None
     return "wgrad", left[0], right[0], rows, k, n
 
@@ -285,12 +291,15 @@ def bf16_contractions(training: bool = False) -> tvm.transform.Pass:
                          every_function=training)
 
 
-def packed_fp32_contractions(lanes: int) -> tvm.transform.Pass:
-    """Inference on CPUs without tuned schedules: matmul(x, W) with W a 2-D fp32 weight (or weight-only, or
-    transposed) -> packed_gemm(x, pack(W)), W packed in panels of ``lanes`` columns ([N/lanes, K, lanes, 1],
-    made once at load by LiftTransformParams) for schedules.packed's register-tiled micro-kernel."""
+def packed_fp32_contractions(lanes: int, training: bool = False) -> tvm.transform.Pass:
+    """CPUs without tuned schedules: matmul(x, W) with W a 2-D fp32 weight (or weight-only, or transposed) ->
+    packed_gemm(x, pack(W)), W packed in panels of ``lanes`` columns ([N/lanes, K, lanes, 1]; made once at load
+    by LiftTransformParams) for schedules.packed's register-tiled micro-kernel. ``training``: as
+    bf16_contractions(training=True), in fp32: every contraction with a 2-D right operand packs it each step,
+    and each weight gradient X^T dY reads a transposed copy of X."""
     packing = fp32_packing(lanes)
-    return function_pass("tvmdm.PackedContractions", lambda mod, name: _rewrite_function(mod, name, False, packing))
+    return function_pass("tvmdm.PackedContractions",
+                         lambda mod, name: _rewrite_function(mod, name, training, packing), every_function=training)
 
 
 def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Packing = BF16) -> tvm.IRModule:
@@ -306,12 +315,12 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Pac
             self.converted = {}
 
         def _convert(self, x, make, shape, key):
-            if packing is not BF16:  # fp32 operands are read as they are
+            if packing is not BF16 and key == "to_bf16":  # fp32 operands are read as they are
                 return self.visit_expr(x)
             if (x, key) not in self.converted:
                 gv = self.builder_.add_func(make(static_shape(x)), key)
                 self.converted[(x, key)] = self.builder_.emit(relax.call_tir(
-                    gv, [self.visit_expr(x)], relax.TensorType(shape, BITS)))
+                    gv, [self.visit_expr(x)], relax.TensorType(shape, packing.dtype)))
             return self.converted[(x, key)]
 
         def _pack(self, w, k, n, transposed, batch=()):
@@ -338,7 +347,8 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Pac
             else:  # dW = X^T dY over every row
                 _, _, dy, rows, k, n = target
                 packed = self._pack(self.visit_expr(dy), rows, n, False)
-                a_bits = self._convert(x, to_bf16_transposed_func, [k, rows], "to_bf16_t")
+                a_bits = self._convert(x, lambda shape: to_bf16_transposed_func(shape, packing), [k, rows],
+                                       TRANSPOSED_BLOCK if packing is BF16 else TRANSPOSED_ROWS_BLOCK)
                 out = self._gemm(a_bits, packed, [k], rows, n)
             self.set_var_remap(binding.var, out)
             return None
@@ -387,7 +397,7 @@ def precision_passes(precision: str = "fp32", training: bool = False, target_kin
     (fp32 inference on the CPU): pack the weights in panels that wide for schedules.packed."""
     check_precision(precision, target_kind)
     if precision == "fp32":
-        return [packed_fp32_contractions(packed_lanes)] if packed_lanes and not training else []
+        return [packed_fp32_contractions(packed_lanes, training)] if packed_lanes else []
     if precision == "bf16" and target_kind == "llvm":
         return [bf16_contractions(training)]
     return [half_contractions({"bf16": "bfloat16", "fp16": "float16"}[precision], training)]

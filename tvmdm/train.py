@@ -323,7 +323,7 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     loss_scale: None (dynamic for fp16, off otherwise), "dynamic", a LossScaler (its settings), or False.
     """
     from schedules.apply import kernels
-    from tvmdm.build import _schedule
+    from tvmdm.build import _schedule, packed_lanes, resolve_logs
     from tvmdm.checkpoint import memory_estimate
 
     optimizer = optimizer or AdamW()
@@ -337,8 +337,10 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
                                                      fusion=fusion, layout=layout, loss_scaling=scaler is not None)
     timings["graph"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    tuning_logs = resolve_logs(tuning_logs, tvm_target)
     mod = fuse_stage.fuse(mod, fusion, layout=layout, lift_params=False, precision=precision,
-                          target_kind=tvm_target.kind.name)
+                          target_kind=tvm_target.kind.name,
+                          packed_lanes=packed_lanes(tuning_logs, tvm_target, precision))
     mod, tuned = _schedule(mod, tvm_target, tuning_logs, precision)
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
