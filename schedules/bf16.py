@@ -21,7 +21,7 @@ from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.script import tirx as T
 
 from schedules.apply import is_scheduled
-from schedules.transposes import tile_transpose
+from schedules.packed import epilogue_into_tile, has_block, schedule_tiled_transpose
 from schedules.default import inline_elementwise
 from tvmdm import compat
 from tvmdm.precision import GEMM_BLOCK, LANES, PAIR, TRANSPOSED_BLOCK, bf16_value
@@ -99,26 +99,8 @@ def schedule_bf16_gemm(func: tirx.PrimFunc, rows: int | None = None, vectors: in
     sch.tensorize(ni, INTRIN)
     sch.annotate(tile, "pragma_import_llvm", compat.DPBF16PS_LLVM)
     sch.vectorize(sch.get_loops(init)[-1])
-    _epilogue_into_tile(sch, acc, tile)
+    epilogue_into_tile(sch, acc, tile, LANES)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
-
-
-def _epilogue_into_tile(sch, acc, tile) -> None:
-    """Compute the epilogue straight from the accumulators, per tile, vectorized along the 16 lanes."""
-    consumers = sch.get_consumers(acc)
-    target = acc
-    for consumer in consumers:
-        try:
-            sch.reverse_compute_inline(consumer)
-        except Exception:  # noqa: BLE001 - not inlinable: it runs per tile after the write-back
-            sch.reverse_compute_at(consumer, tile)
-            target = consumer
-    for block in {acc, target}:
-        loops = sch.get_loops(block)
-        inner = loops[-1]
-        if int(sch.get(inner).extent) % LANES == 0:
-            _, lanes = sch.split(inner, [None, LANES])
-            sch.vectorize(lanes)
 
 
 TRANSPOSE_TILE = 8  # rows x rows tiles of the transposing conversion (8: 1.8 ms vs 6.1 default on [1024, 3072])
@@ -127,12 +109,7 @@ TRANSPOSE_TILE = 8  # rows x rows tiles of the transposing conversion (8: 1.8 ms
 def schedule_transposed_conversion(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """x^T as bf16 bits (a weight gradient's left operand), in square tiles: each tile's reads and writes stay
     in L1 (the default schedule streams one column at a time, reading a cache line per element)."""
-    sch = Schedule(func)
-    block = sch.get_sblock(TRANSPOSED_BLOCK)
-    for producer in sch.get_producers(block):  # element-wise producers fused in front (e.g. GELU's output)
-        sch.compute_inline(producer)
-    sch.unroll(tile_transpose(sch, block, TRANSPOSE_TILE))
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    return schedule_tiled_transpose(func, TRANSPOSED_BLOCK, TRANSPOSE_TILE)
 
 
 def apply_bf16_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[tvm.IRModule, list[str]]:
@@ -141,21 +118,21 @@ def apply_bf16_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[
     (bf16 values are exact in fp32), slower (a warning says so)."""
     done = []
     if not has_bf16_dot(target):
-        if any(isinstance(f, tirx.PrimFunc) and _has_block(f, GEMM_BLOCK) for f in mod.functions.values()):
+        if any(isinstance(f, tirx.PrimFunc) and has_block(f, GEMM_BLOCK) for f in mod.functions.values()):
             warnings.warn(f"target {target} has no AVX512-BF16 dot product: the bf16 contractions run on a "
                           "generic fp32 schedule (same results, slower)", stacklevel=3)
         return mod, done
     for gv, func in list(mod.functions.items()):
         if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
             continue
-        if _has_block(func, TRANSPOSED_BLOCK):
+        if has_block(func, TRANSPOSED_BLOCK):
             try:
                 mod[gv] = schedule_transposed_conversion(func.with_attr("global_symbol", gv.name_hint))
                 done.append(gv.name_hint)
             except Exception:  # noqa: BLE001 - a fused shape the tiling does not fit: default schedule
                 pass
             continue
-        if not _has_block(func, GEMM_BLOCK):
+        if not has_block(func, GEMM_BLOCK):
             continue
         flops = int(estimate_tir_flops(tvm.IRModule({gv: func})))
         mod[gv] = schedule_bf16_gemm(func.with_attr("global_symbol", gv.name_hint)).with_attr(FLOPS_ATTR, flops)
@@ -165,12 +142,4 @@ def apply_bf16_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[
 
 def hand_scheduled(func: tirx.PrimFunc, target: tvm.target.Target) -> bool:
     """Whether apply_bf16_schedules takes this kernel (so tuning it would be wasted)."""
-    return has_bf16_dot(target) and (_has_block(func, GEMM_BLOCK) or _has_block(func, TRANSPOSED_BLOCK))
-
-
-def _has_block(func: tirx.PrimFunc, name: str) -> bool:
-    try:
-        Schedule(func).get_sblock(name)
-        return True
-    except Exception:  # noqa: BLE001 - get_sblock raises when there is no such block
-        return False
+    return has_bf16_dot(target) and (has_block(func, GEMM_BLOCK) or has_block(func, TRANSPOSED_BLOCK))

@@ -97,17 +97,18 @@ def schedule_weight_pack(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def schedule_row_transpose(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """X^T for a weight gradient (X [B*S, K], a reshape maybe fused in front): square tiles, in parallel."""
+def schedule_tiled_transpose(func: tirx.PrimFunc, block_name: str, tile: int = TILE) -> tirx.PrimFunc:
+    """X^T for a weight gradient (X [B*S, K], element-wise producers such as a reshape inlined; bf16's
+    transposing conversion too): square tiles in parallel, each within L1."""
     sch = Schedule(func)
-    block = sch.get_sblock(TRANSPOSED_ROWS_BLOCK)
+    block = sch.get_sblock(block_name)
     for producer in sch.get_producers(block):
         sch.compute_inline(producer)
-    sch.unroll(tile_transpose(sch, block, TILE))
+    sch.unroll(tile_transpose(sch, block, tile))
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def _has_block(func: tirx.PrimFunc, name: str) -> bool:
+def has_block(func: tirx.PrimFunc, name: str) -> bool:
     try:
         Schedule(func).get_sblock(name)
         return True
@@ -116,7 +117,7 @@ def _has_block(func: tirx.PrimFunc, name: str) -> bool:
 
 
 def is_packed_gemm(func: tirx.PrimFunc) -> bool:
-    return _has_block(func, FP32_GEMM_BLOCK)
+    return has_block(func, FP32_GEMM_BLOCK)
 
 
 def apply_packed_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[tvm.IRModule, list[str]]:
@@ -126,8 +127,8 @@ def apply_packed_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tupl
 
     def schedule(func):
         for block, rule in ((FP32_GEMM_BLOCK, lambda f: schedule_packed_gemm(f, lanes)),
-                            (PACK_BLOCK, schedule_weight_pack), (TRANSPOSED_ROWS_BLOCK, schedule_row_transpose)):
-            if _has_block(func, block):
+                            (PACK_BLOCK, schedule_weight_pack), (TRANSPOSED_ROWS_BLOCK, lambda f: schedule_tiled_transpose(f, TRANSPOSED_ROWS_BLOCK))):
+            if has_block(func, block):
                 return rule(func)
         return None
 
