@@ -9,7 +9,7 @@ import tvm
 from tvm import relax, tirx
 
 from schedules.database import TuningLogWarning, load_database
-from tvmdm.target import vector_features
+from tvmdm.target import vector_bits
 
 SHIPPED_LOGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tuning_logs")
 META = "meta.json"
@@ -18,11 +18,11 @@ META = "meta.json"
 def shipped_logs(target) -> list[str]:
     """The shipped log directories tuned for ``target`` (their meta.json says for which): a target kind
     ("llvm") takes every log of that kind; an llvm Target only those tuned on a CPU whose vector features it
-    has (see missing_cpu_features; the others are named in one warning)."""
+    has (see tuned_wider; the others are named in one warning)."""
     if not os.path.isdir(SHIPPED_LOGS):
         return []
     kind = target if isinstance(target, str) else target.kind.name
-    found, skipped, lacking = [], [], set()
+    found, skipped = [], []
     for name in sorted(os.listdir(SHIPPED_LOGS)):
         meta = os.path.join(SHIPPED_LOGS, name, META)
         if not os.path.isfile(meta):
@@ -31,32 +31,29 @@ def shipped_logs(target) -> list[str]:
             info = json.load(f)
         if info.get("target_kind") != kind:
             continue
-        missing = [] if isinstance(target, str) else missing_cpu_features(info, target)
-        if missing:
+        if not isinstance(target, str) and tuned_wider(info, target):
             skipped.append(name)
-            lacking.update(missing)
         else:
             found.append(os.path.join(SHIPPED_LOGS, name))
     if skipped and tuple(skipped) not in _WARNED:
         _WARNED.add(tuple(skipped))
-        shown = sorted(lacking)
-        features = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
-        warnings.warn(f"shipped tuning logs {', '.join(skipped)} were tuned on a CPU with {features}, which this "
-                      "one lacks: not applied (their schedules run 2-3x slower here than tvmdm's own; "
-                      "`tvmdm tune` tunes for this CPU)", TuningLogWarning, stacklevel=3)
+        warnings.warn(f"shipped tuning logs {', '.join(skipped)} were tuned for wider vector registers than this "
+                      f"CPU's ({vector_bits(target)}-bit): not applied (their schedules run 2-3x slower here than "
+                      "tvmdm's own packed contractions; `tvmdm tune` tunes for this CPU)", TuningLogWarning,
+                      stacklevel=3)
     return found
 
 
 _WARNED: set = set()  # sets of skipped logs already named in this process
 
 
-def missing_cpu_features(meta: dict, target: tvm.target.Target) -> list[str]:
-    """The vector features of the CPU a log was tuned on (``meta["target"]``) that ``target`` lacks: records
+def tuned_wider(meta: dict, target: tvm.target.Target) -> bool:
+    """Whether the log was tuned (``meta["target"]``) for wider vector registers than ``target`` has: records
     tuned with AVX-512's 32 registers in mind spill on AVX2 (the same CPU model with AVX-512 masked by its VM:
-    56 GFLOP/s against 147 for schedules.packed)."""
+    56 GFLOP/s against 147 for schedules.packed). Other feature differences (a missing GFNI, say) keep the log."""
     if target.kind.name != "llvm" or "target" not in meta:
-        return []
-    return sorted(vector_features(tvm.target.Target(json.loads(meta["target"]))) - vector_features(target))
+        return False
+    return vector_bits(tvm.target.Target(json.loads(meta["target"]))) > vector_bits(target)
 
 
 def is_scheduled(func) -> bool:

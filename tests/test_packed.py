@@ -66,19 +66,22 @@ def _fake_log(root, name, target):
     (root / name / "meta.json").write_text(json.dumps({"target_kind": "llvm", "target": json.dumps(target)}))
 
 
-def test_shipped_logs_tuned_for_missing_vector_features_are_skipped(tmp_path, monkeypatch):
+def test_shipped_logs_tuned_for_wider_vectors_are_skipped(tmp_path, monkeypatch):
     avx2 = {"kind": "llvm", "mcpu": "znver4", "mattr": ["-avx512f"]}  # a Zen 4 whose VM hides AVX-512
     _fake_log(tmp_path, "avx2-log", avx2)
     _fake_log(tmp_path, "avx512-log", {"kind": "llvm", "mcpu": "znver4"})
     monkeypatch.setattr(schedules.apply, "SHIPPED_LOGS", str(tmp_path))
     monkeypatch.setattr(schedules.apply, "_WARNED", set())
-    with pytest.warns(TuningLogWarning, match=r"avx512-log were tuned on a CPU with avx512.* which this one lacks"):
+    with pytest.warns(TuningLogWarning, match=r"avx512-log were tuned for wider vector registers than this CPU's "
+                                              r"\(256-bit\): not applied"):
         assert [p.split("/")[-1] for p in shipped_logs(tvm.target.Target(avx2))] == ["avx2-log"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a CPU with more features takes both, without a word
         assert [p.split("/")[-1] for p in shipped_logs(tvm.target.Target({"kind": "llvm", "mcpu": "znver4"}))] == \
             ["avx2-log", "avx512-log"]
     assert [p.split("/")[-1] for p in shipped_logs("llvm")] == ["avx2-log", "avx512-log"]  # by kind: all
+    # A feature outside the vector width (GFNI hidden by a VM) does not make a log unfit.
+    assert len(shipped_logs(tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "mattr": ["-gfni"]}))) == 2
 
 
 def test_panel_width_follows_the_vector_registers():

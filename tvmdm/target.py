@@ -90,15 +90,15 @@ def make_target(target="llvm") -> tvm.target.Target:
     raise TargetError(f"unknown target {target!r}; use 'llvm', 'cuda' or 'cuda:<arch>' ({', '.join(CUDA_ARCHES)})")
 
 
-def vector_features(target: tvm.target.Target) -> set[str]:
-    """The vector-instruction features (AVX, AVX-512, AMX, FMA...) an llvm target's code may use."""
-    features = tvm.target.codegen.llvm_get_cpu_features(target)
-    return {str(f) for f in features if _normalized(str(f)).startswith(_CHECKED_FEATURE_PREFIXES)}
+def vector_bits(target: tvm.target.Target) -> int:
+    """The vector register width an llvm target's code may use: 512 (AVX-512), 256 (AVX) or 128."""
+    has = tvm.target.codegen.target_has_features
+    return 512 if has("avx512f", target) else 256 if has("avx", target) else 128
 
 
 def vector_lanes(target: tvm.target.Target) -> int:
-    """fp32 values per vector register of an llvm target: 16 with AVX-512, else 8 (AVX2)."""
-    return 16 if tvm.target.codegen.target_has_features("avx512f", target) else 8
+    """fp32 values per vector register of an llvm target: 16 with AVX-512, 8 with AVX2."""
+    return vector_bits(target) // 32
 
 
 def is_gpu(target: tvm.target.Target) -> bool:
