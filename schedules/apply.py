@@ -40,7 +40,7 @@ def shipped_logs(target) -> list[str]:
         warnings.warn(f"shipped tuning logs {', '.join(skipped)} were tuned for wider vector registers than this "
                       f"CPU's ({vector_bits(target)}-bit): not applied (their schedules run 2-3x slower here than "
                       "tvmdm's own packed contractions; `tvmdm tune` tunes for this CPU)", TuningLogWarning,
-                      stacklevel=3)
+                      stacklevel=4)  # the caller of compile / compile_train_step
     return found
 
 
