@@ -1,9 +1,13 @@
 """The CPU kernels scheduled by hand before the logs apply (schedules.reductions, schedules.transposes): bias
-and LayerNorm-parameter gradients, 2-D transposes; same numbers as numpy, left out of tuning."""
+and LayerNorm-parameter gradients, 2-D transposes; same numbers as numpy, left out of tuning. And after them,
+the paper's SM kernel where no record covers it (schedules.attention)."""
 import numpy as np
+import pytest
 import tvm
 from tvm import relax
 from tvm.script import relax as R
+
+import tvmdm
 
 from schedules.reductions import apply_reduction_schedules, is_column_reduction
 from schedules.transposes import apply_transpose_schedules, is_transpose
@@ -79,3 +83,15 @@ def test_tuner_leaves_hand_scheduled_kernels_out(tiny_layer):
     names = [t.task_name for t in tasks]
     assert names and not [n for n in names if "collapse_sum" in n]
     assert not [t for t in tasks if is_column_reduction(t.dispatched[0]["main"]) or is_transpose(t.dispatched[0]["main"])]
+
+
+@pytest.mark.parametrize("layout,hand", [("bshd", True), ("bhsd", False)])
+def test_sm_without_a_record_is_scheduled_per_head_and_matches_onnxruntime(tiny_layer, layout, hand):
+    # schedules.attention: one parallel loop, a task per (batch, head) = 2 x 2 here, around all five blocks (the
+    # default rule parallelizes each block apart); only the kernel that reads Q and K in place from the packed
+    # QKV (layout bshd).
+    compiled = tvmdm.compile(tiny_layer, shapes={"hidden_states": [2, 8, 32], "attention_mask": [2, 8]},
+                             fusion="paper", layout=layout, tuning_logs=None)
+    parallel = [line for line in compiled.mod["sm"].script().splitlines() if "T.parallel" in line]
+    assert (len(parallel) == 1 and "T.parallel(T.int64(4))" in parallel[0]) == hand, parallel
+    assert compiled.check(tvmdm.random_inputs(compiled, batch=2, seq=8)).ok

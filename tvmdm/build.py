@@ -14,7 +14,7 @@ from tvmdm import fuse as fuse_stage
 from tvmdm.errors import ShapeError, TvmdmError
 from tvmdm.precision import check_precision, check_static_shapes
 from tvmdm.runtime import ModelRunner
-from tvmdm.target import make_target
+from tvmdm.target import make_target, vector_lanes
 
 log = logging.getLogger("tvmdm")
 
@@ -196,9 +196,11 @@ def packed_lanes(tuning_logs, target, precision: str) -> int | None:
 
 def _schedule(mod, target, tuning_logs, precision: str = "fp32") -> tuple[tvm.IRModule, list[str]]:
     """Tuned records where the logs have them, our default schedules for every other kernel; on the CPU first
-    the hand-written schedules: column reductions and 2-D transposes (schedules.reductions, .transposes) and,
-    under bf16, the contractions and conversions (schedules.bf16)."""
+    the hand-written schedules: column reductions and 2-D transposes (schedules.reductions, .transposes), the
+    packed fp32 contractions (schedules.packed) and, under bf16, the contractions and conversions
+    (schedules.bf16); after the logs, the paper's SM kernel where they have no record (schedules.attention)."""
     from schedules import apply_default_schedules, apply_tuning_logs
+    from schedules.attention import apply_attention_schedules
     from schedules.bf16 import apply_bf16_schedules
     from schedules.packed import apply_packed_schedules
     from schedules.reductions import apply_reduction_schedules
@@ -213,4 +215,6 @@ def _schedule(mod, target, tuning_logs, precision: str = "fp32") -> tuple[tvm.IR
         mod, _ = apply_bf16_schedules(mod, target)  # hand-written micro-kernel: no log needed
     if tuning_logs:
         mod, tuned = apply_tuning_logs(mod, target, tuning_logs)
+    if target.kind.name == "llvm":  # after the logs: only an SM kernel they have no record for
+        mod, _ = apply_attention_schedules(mod, vector_lanes(target))
     return apply_default_schedules(mod, target), tuned
