@@ -17,6 +17,10 @@ right operand packed per call; under fusion="paper" they are einsums and stay fp
 (LayerNorm, softmax and its statistics, residual sums, model inputs and outputs) stays fp32. The bf16 values
 live in uint16 tensors: TVM 0.27's LLVM backend cannot compile bfloat16 vectors into the dot product (see
 compat), and uint16 keeps their bits exact.
+
+The same rewrite, parameterized by a ``Packing``, serves fp32 on CPUs that the shipped logs do not suit
+(``packed_fp32_contractions``): no conversion, the weights packed in panels of 3 vectors for
+schedules.packed's micro-kernel, the weight gradients' X transposed as fp32.
 """
 from __future__ import annotations
 
@@ -116,7 +120,7 @@ def packed_shape(k: int, n: int, packing: Packing = BF16) -> list[int]:
     return [n // packing.lanes, k // packing.pair, packing.lanes, packing.pair]
 
 
-def pack_bf16_func(k: int, n: int, transposed: bool, batch=(), packing: Packing = BF16) -> tirx.PrimFunc:
+def pack_weight_func(k: int, n: int, transposed: bool, batch=(), packing: Packing = BF16) -> tirx.PrimFunc:
     """W [batch..., K, N] (or [batch..., N, K] when ``transposed``) -> ``packing``'s layout (bf16: bits as
     [batch..., N/16, K/2, 16, 2])."""
     batch = tuple(batch)
@@ -199,7 +203,7 @@ def check_static_shapes(mod: tvm.IRModule) -> None:
                              "(CLI: --shape NAME=D0xD1)")
 
 
-def to_bf16_transposed_func(shape, packing: Packing = BF16) -> tirx.PrimFunc:
+def transposed_rows_func(shape, packing: Packing = BF16) -> tirx.PrimFunc:
     """x [lead..., K] (fp32) -> x^T as [K, rows] (rows = the leading dims flattened) stored as ``packing`` says
     (bf16 bits by default): the left operand of a weight gradient, X^T dY. For a 2-D x it is a plain
     transpose, which schedules.transposes tiles when the values stay fp32."""
@@ -325,7 +329,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Pac
 
         def _pack(self, w, k, n, transposed, batch=()):
             bb = self.builder_
-            pack = bb.add_func(pack_bf16_func(k, n, transposed, batch, packing), packing.pack_name)
+            pack = bb.add_func(pack_weight_func(k, n, transposed, batch, packing), packing.pack_name)
             shape = list(batch) + packed_shape(k, n, packing)
             return bb.emit(relax.call_tir(pack, [w], relax.TensorType(shape, packing.dtype)))
 
@@ -347,7 +351,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Pac
             else:  # dW = X^T dY over every row
                 _, _, dy, rows, k, n = target
                 packed = self._pack(self.visit_expr(dy), rows, n, False)
-                a_bits = self._convert(x, lambda shape: to_bf16_transposed_func(shape, packing), [k, rows],
+                a_bits = self._convert(x, lambda shape: transposed_rows_func(shape, packing), [k, rows],
                                        TRANSPOSED_BLOCK if packing is BF16 else TRANSPOSED_ROWS_BLOCK)
                 out = self._gemm(a_bits, packed, [k], rows, n)
             self.set_var_remap(binding.var, out)
