@@ -103,17 +103,20 @@ def test_train_bench_tiny_layer_checks_losses_json_and_plot(tmp_path):
     from tvmdm.bench_train import run_train_bench
 
     lines = []
-    run_train_bench("bert-tiny-layer", min_runs=2, max_seconds=1, torch_compile=False,
+    run_train_bench("bert-tiny-layer", min_runs=2, max_seconds=1, torch_compile=False, fusions=("tvm", "paper"),
                     json_path=str(tmp_path / "t.json"), plot_path=str(tmp_path / "t.png"), out=lines.append)
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["schema"] == "tvmdm-bench-train/1" and data["shapes"] == {"batch": 2, "seq": 8}
-    assert [t["system"] for t in data["timings"]] == ["tvmdm", "torch-eager"]
+    assert [t["system"] for t in data["timings"]] == ["tvmdm", "tvmdm[fusion=paper]", "torch-eager"]
+    # the paper level's step computes the same losses (fp32: the tight tolerance)
+    assert data["losses_first_two_steps"]["tvmdm[fusion=paper]"] == pytest.approx(
+        data["losses_first_two_steps"]["tvmdm"], rel=1e-5)
     # both start from the same weights: their first two losses agree (the second one after an AdamW update)
     ours, theirs = data["losses_first_two_steps"]["tvmdm"], data["losses_first_two_steps"]["torch-eager"]
     assert ours == pytest.approx(theirs, rel=1e-5) and ours[1] != ours[0]
     assert data["matmul_flops_per_step"] == 3 * matmul_flops(tvmdm.default_model("bert-tiny-layer"),
                                                              {"hidden_states": [2, 8, 32], "attention_mask": [2, 8]})
-    assert data["timings"][1]["vs_torch_eager"] == 1.0
+    assert data["timings"][2]["vs_torch_eager"] == 1.0
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     assert any("vs eager" in line for line in lines)
 

@@ -43,20 +43,26 @@ def _torch_step(ref, feeds: dict, target: np.ndarray, lr: float, autocast_bf16: 
 
 
 def training_systems(model: str, proto, batch: int, seq: int, *, target: str = "llvm", torch: bool = True,
-                     torch_compile: bool = True, tuning_logs="shipped", lr: float = LR, precisions=("fp32",)):
+                     torch_compile: bool = True, tuning_logs="shipped", lr: float = LR, precisions=("fp32",),
+                     fusions=("tvm",)):
     """name -> step() callable returning the loss, plus skipped systems with reasons, plus the TrainStep.
-    Each precision besides fp32 adds tvmdm[p] and (bf16) torch-eager[bf16] (autocast)."""
+    Each precision besides fp32 adds tvmdm[p] and (bf16) torch-eager[bf16] (autocast); each fusion level after
+    the first (which "tvmdm" uses) adds tvmdm[fusion=level]."""
     import tvmdm
     from tvmdm import models
 
-    def compile_step(precision):
+    def compile_step(precision, fusion=fusions[0]):
         return tvmdm.compile_train_step(proto, loss="mse", optimizer=tvmdm.AdamW(lr=lr), target=target,
-                                        batch=batch, seq=seq, tuning_logs=tuning_logs, precision=precision)
+                                        batch=batch, seq=seq, tuning_logs=tuning_logs, precision=precision,
+                                        fusion=fusion)
 
     step = compile_step("fp32")
     feeds = tvmdm.random_inputs(step, batch=batch, seq=seq)
     labels = np.random.default_rng(1).standard_normal(step.target_spec.shape).astype(np.float32)
     systems = {"tvmdm": lambda: step.step(dict(feeds, labels=labels))}
+    for fusion in fusions[1:]:
+        other = compile_step("fp32", fusion)
+        systems[f"tvmdm[fusion={fusion}]"] = lambda s=other: s.step(dict(feeds, labels=labels))
     reduced = [p for p in precisions if p != "fp32"]
     for precision in reduced:
         other = compile_step(precision)
@@ -86,11 +92,11 @@ def training_systems(model: str, proto, batch: int, seq: int, *, target: str = "
 
 def check_training_agreement(systems: dict, rtol: float = 1e-3, reduced_rtol: float = 1e-2) -> dict:
     """Two steps of every system from the same state: the losses must agree (the second checks the update);
-    systems in reduced precision (a "[bf16]" name) within ``reduced_rtol``."""
+    systems in reduced precision (a "[bf16]" or "[fp16]" name) within ``reduced_rtol``."""
     losses = {name: [step(), step()] for name, step in systems.items()}
     reference = losses["tvmdm"]
     for name, pair in losses.items():
-        tolerance = reduced_rtol if "[" in name else rtol
+        tolerance = reduced_rtol if "[bf16]" in name or "[fp16]" in name else rtol
         for i, (got, want) in enumerate(zip(pair, reference)):
             if abs(got - want) > tolerance * abs(want):
                 raise AssertionError(f"{name} disagrees with tvmdm at training step {i + 1}: loss {got:.7g} vs "
@@ -101,7 +107,7 @@ def check_training_agreement(systems: dict, rtol: float = 1e-3, reduced_rtol: fl
 def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = None, target: str = "llvm",
                     min_runs: int = 5, max_seconds: float = 30.0, torch: bool = True, torch_compile: bool = True,
                     json_path: str | None = None, plot_path: str | None = None, tuning_logs="shipped",
-                    precisions=("fp32",), out=print) -> dict:
+                    precisions=("fp32",), fusions=("tvm",), out=print) -> dict:
     from tvmdm import models
     from tvmdm.bench import _load
     from tvmdm.cli import resolve_shapes
@@ -116,7 +122,7 @@ def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = N
         raise TvmdmError(f"bench --train needs concrete sizes for {model}: give --batch and --seq")
     systems, skipped, step, _ = training_systems(model, proto, batch, seq, target=target, torch=torch,
                                                  torch_compile=torch_compile, tuning_logs=tuning_logs,
-                                                 precisions=precisions)
+                                                 precisions=precisions, fusions=tuple(fusions))
     losses = check_training_agreement(systems)
     flops = matmul_flops(proto, resolve_shapes(model, None, batch, seq))
     flops = 3 * flops if flops else None
@@ -129,6 +135,7 @@ def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = N
     for t in timings:
         t.vs_torch_eager = t.median_ms / eager if eager else None
     out(f"{model} training step (forward + MSE loss + backward + AdamW): batch {batch}, seq {seq}, target {target}, "
+        f"fusion {fusions[0]}, "
         f"{num_cores()} threads, {len(step.weight_names)} weight tensors, "
         f"{(flops or 0) / 1e9:.2f} GFLOP of matmuls")
     for line in format_table(timings, ratio="vs_torch_eager", label="vs eager"):

@@ -138,7 +138,7 @@ def cmd_bench(args) -> int:
         run_train_bench(model, batch=args.batch, seq=args.seq, target=args.target, min_runs=args.min_runs,
                         max_seconds=args.max_seconds, torch=not args.no_torch,
                         torch_compile=not args.no_torch_compile, json_path=args.json, plot_path=args.plot,
-                        precisions=args.precision.split(","))
+                        precisions=args.precision.split(","), fusions=args.fusion.split(","))
         return 0
     scan = None
     if args.scan or args.scan_seq or args.scan_batch:
