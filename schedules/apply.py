@@ -7,6 +7,7 @@ import warnings
 
 import tvm
 from tvm import relax, tirx
+from tvm.s_tir import schedule as sch_mod
 
 from schedules.database import TuningLogWarning, load_database
 from tvmdm.target import vector_bits
@@ -58,6 +59,15 @@ def tuned_wider(meta: dict, target: tvm.target.Target) -> bool:
 
 def is_scheduled(func) -> bool:
     return isinstance(func, tirx.PrimFunc) and bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
+
+
+def finds_block(func: tirx.PrimFunc, finder) -> bool:
+    """Whether a hand-schedule rule's ``finder(schedule) -> block or None`` takes ``func`` (tuning leaves such
+    kernels out)."""
+    try:
+        return finder(sch_mod.Schedule(func)) is not None
+    except Exception:  # noqa: BLE001 - no block tree (hand-written kernels) or a form the rule does not read
+        return False
 
 
 def apply_hand_schedule(mod: tvm.IRModule, schedule) -> tuple[tvm.IRModule, list[str]]:

@@ -116,20 +116,21 @@ def has_block(func: tirx.PrimFunc, name: str) -> bool:
         return False
 
 
-def is_packed_gemm(func: tirx.PrimFunc) -> bool:
-    return has_block(func, FP32_GEMM_BLOCK)
-
-
 def apply_packed_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[tvm.IRModule, list[str]]:
     """Schedule every kernel of the packed fp32 contractions (the contraction, the packing, the transposed X);
     returns the module and their names."""
     lanes = vector_lanes(target)
+    rules = ((FP32_GEMM_BLOCK, lambda f: schedule_packed_gemm(f, lanes)), (PACK_BLOCK, schedule_weight_pack),
+             (TRANSPOSED_ROWS_BLOCK, lambda f: schedule_tiled_transpose(f, TRANSPOSED_ROWS_BLOCK)))
 
     def schedule(func):
-        for block, rule in ((FP32_GEMM_BLOCK, lambda f: schedule_packed_gemm(f, lanes)),
-                            (PACK_BLOCK, schedule_weight_pack), (TRANSPOSED_ROWS_BLOCK, lambda f: schedule_tiled_transpose(f, TRANSPOSED_ROWS_BLOCK))):
-            if has_block(func, block):
-                return rule(func)
+        sch = Schedule(func)  # one lookup per kernel for all three block names
+        for block, rule in rules:
+            try:
+                sch.get_sblock(block)
+            except Exception:  # noqa: BLE001 - get_sblock raises when there is no such block
+                continue
+            return rule(func)
         return None
 
     return apply_hand_schedule(mod, schedule)

@@ -11,7 +11,7 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import schedule as sch_mod
 
-from schedules.apply import apply_hand_schedule
+from schedules.apply import apply_hand_schedule, finds_block
 from schedules.default import inline_elementwise
 
 STRIP = 64  # columns per strip: four 16-lane vectors of fp32 accumulators
@@ -40,10 +40,7 @@ def _column_reduction_block(sch):
 
 
 def is_column_reduction(func: tirx.PrimFunc) -> bool:
-    try:
-        return _column_reduction_block(sch_mod.Schedule(func)) is not None
-    except Exception:  # noqa: BLE001 - no block tree (hand-written kernels) or a form the rule does not read
-        return False
+    return finds_block(func, _column_reduction_block)
 
 
 def schedule_column_reduction(func: tirx.PrimFunc) -> tirx.PrimFunc | None:

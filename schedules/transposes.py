@@ -9,7 +9,7 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import schedule as sch_mod
 
-from schedules.apply import apply_hand_schedule
+from schedules.apply import apply_hand_schedule, finds_block
 
 TILE = 8  # measured best on the [768, 3072] weight (see above)
 
@@ -36,10 +36,7 @@ def _transpose_block(sch):
 
 
 def is_transpose(func: tirx.PrimFunc) -> bool:
-    try:
-        return _transpose_block(sch_mod.Schedule(func)) is not None
-    except Exception:  # noqa: BLE001 - no block tree (hand-written kernels)
-        return False
+    return finds_block(func, _transpose_block)
 
 
 def tile_transpose(sch, block, tile: int):

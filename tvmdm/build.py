@@ -149,10 +149,10 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     provenance: dict[str, list[str]] = {}
     read_fractions: dict[str, dict[int, float]] = {}
     tuning_logs = resolve_logs(tuning_logs, tvm_target)
+    lanes = packed_lanes(tuning_logs, tvm_target, precision)
     mod = fuse_stage.fuse(imported.mod, fusion, provenance, layout, read_fractions, precision=precision,
-                          target_kind=tvm_target.kind.name, packed_lanes=packed_lanes(tuning_logs, tvm_target,
-                                                                                      precision))
-    mod, tuned = _schedule(mod, tvm_target, tuning_logs, precision)
+                          target_kind=tvm_target.kind.name, packed_lanes=lanes)
+    mod, tuned = _schedule(mod, tvm_target, tuning_logs, precision, packed=lanes is not None)
     kernel_ops = {k: provenance.get(k, [fuse_stage.op_name(k)]) for k in kernels(mod)}
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -194,11 +194,14 @@ def packed_lanes(tuning_logs, target, precision: str) -> int | None:
     return panel_lanes(target)
 
 
-def _schedule(mod, target, tuning_logs, precision: str = "fp32") -> tuple[tvm.IRModule, list[str]]:
+def _schedule(mod, target, tuning_logs, precision: str = "fp32",
+              packed: bool = False) -> tuple[tvm.IRModule, list[str]]:
     """Tuned records where the logs have them, our default schedules for every other kernel; on the CPU first
     the hand-written schedules: column reductions and 2-D transposes (schedules.reductions, .transposes), the
     packed fp32 contractions (schedules.packed) and, under bf16, the contractions and conversions
-    (schedules.bf16); after the logs, the paper's SM kernel where they have no record (schedules.attention)."""
+    (schedules.bf16); after the logs, the paper's score kernels where they have no record (schedules.attention).
+    ``tuning_logs``: as resolve_logs returns them; ``packed``: the fuse stage packed the weights
+    (packed_lanes), so there are packed kernels to look for."""
     from schedules import apply_default_schedules, apply_tuning_logs
     from schedules.attention import apply_attention_schedules
     from schedules.bf16 import apply_bf16_schedules
@@ -206,10 +209,10 @@ def _schedule(mod, target, tuning_logs, precision: str = "fp32") -> tuple[tvm.IR
     from schedules.reductions import apply_reduction_schedules
     from schedules.transposes import apply_transpose_schedules
 
-    tuning_logs = resolve_logs(tuning_logs, target)
     tuned = []
     if target.kind.name == "llvm":
         mod, _ = apply_transpose_schedules(apply_reduction_schedules(mod)[0])
+    if packed:
         mod, _ = apply_packed_schedules(mod, target)
     if precision == "bf16" and target.kind.name == "llvm":
         mod, _ = apply_bf16_schedules(mod, target)  # hand-written micro-kernel: no log needed

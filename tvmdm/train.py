@@ -338,10 +338,10 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     timings["graph"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     tuning_logs = resolve_logs(tuning_logs, tvm_target)
+    lanes = packed_lanes(tuning_logs, tvm_target, precision)
     mod = fuse_stage.fuse(mod, fusion, layout=layout, lift_params=False, precision=precision,
-                          target_kind=tvm_target.kind.name,
-                          packed_lanes=packed_lanes(tuning_logs, tvm_target, precision))
-    mod, tuned = _schedule(mod, tvm_target, tuning_logs, precision)
+                          target_kind=tvm_target.kind.name, packed_lanes=lanes)
+    mod, tuned = _schedule(mod, tvm_target, tuning_logs, precision, packed=lanes is not None)
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     executable = relax.build(mod, target=tvm_target)
