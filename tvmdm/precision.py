@@ -54,7 +54,8 @@ TRANSPOSED_ROWS_BLOCK = "transpose_rows"  # X^T of its weight gradients
 class Packing:
     """How a rewritten contraction stores its operands: the weight packed as [N/lanes, K/pair, lanes, pair]
     (each ``lanes`` output columns' panel contiguous over K), values in ``dtype`` written by ``encode`` and read
-    back as fp32 by ``decode``; the contraction's block is named ``block``."""
+    back as fp32 by ``decode``; the contraction's block is named ``block``, the weight packing's ``pack_name``,
+    the weight gradients' transposed X ``transposed_name``."""
     block: str
     dtype: str
     lanes: int
@@ -62,18 +63,26 @@ class Packing:
     encode: Callable
     decode: Callable
     pack_name: str
+    transposed_name: str
 
     def fits(self, k: int, n: int) -> bool:
         return n % self.lanes == 0 and k % self.pair == 0
 
+    @property
+    def converts(self) -> bool:
+        """Whether activations are converted before the contraction reads them (not when they stay fp32)."""
+        return self.dtype != "float32"
 
-BF16 = Packing(GEMM_BLOCK, BITS, LANES, PAIR, lambda v: bf16_bits(v), lambda v: bf16_value(v), "pack_bf16")
+
+BF16 = Packing(GEMM_BLOCK, BITS, LANES, PAIR, lambda v: bf16_bits(v), lambda v: bf16_value(v), "pack_bf16",
+               TRANSPOSED_BLOCK)
 
 
 def fp32_packing(lanes: int) -> Packing:
     """fp32 operands, weights in panels of ``lanes`` columns (schedules.packed's micro-kernel reads one panel
     row per k as a few vectors, contiguous instead of a weight row apart)."""
-    return Packing(FP32_GEMM_BLOCK, "float32", lanes, 1, lambda v: v, lambda v: v, FP32_PACK_BLOCK)
+    return Packing(FP32_GEMM_BLOCK, "float32", lanes, 1, lambda v: v, lambda v: v, FP32_PACK_BLOCK,
+                   TRANSPOSED_ROWS_BLOCK)
 
 
 def check_precision(precision: str, target_kind: str | None = None) -> str:
@@ -220,7 +229,7 @@ def transposed_rows_func(shape, packing: Packing = BF16) -> tirx.PrimFunc:
             rest = rest // d
         return packing.encode(x(*reversed(index), col))
 
-    out = te.compute(_i64((k, rows)), element, name=TRANSPOSED_BLOCK if packing is BF16 else TRANSPOSED_ROWS_BLOCK)
+    out = te.compute(_i64((k, rows)), element, name=packing.transposed_name)
     return _private(te.create_prim_func([x, out]))
 
 
@@ -319,7 +328,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Pac
             self.converted = {}
 
         def _convert(self, x, make, shape, key):
-            if packing is not BF16 and key == "to_bf16":  # fp32 operands are read as they are
+            if not packing.converts and key == "to_bf16":  # fp32 activations are read as they are
                 return self.visit_expr(x)
             if (x, key) not in self.converted:
                 gv = self.builder_.add_func(make(static_shape(x)), key)
@@ -352,7 +361,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Pac
                 _, _, dy, rows, k, n = target
                 packed = self._pack(self.visit_expr(dy), rows, n, False)
                 a_bits = self._convert(x, lambda shape: transposed_rows_func(shape, packing), [k, rows],
-                                       TRANSPOSED_BLOCK if packing is BF16 else TRANSPOSED_ROWS_BLOCK)
+                                       packing.transposed_name)
                 out = self._gemm(a_bits, packed, [k], rows, n)
             self.set_var_remap(binding.var, out)
             return None
