@@ -48,6 +48,23 @@ def shipped_logs(target) -> list[str]:
 _WARNED: set = set()  # sets of skipped logs already named in this process
 
 
+def tuned_on_this_cpu(logs_dir, target: tvm.target.Target) -> bool:
+    """Whether a log's records were tuned on ``target``'s CPU model (meta.json's mcpu, as LLVM names it). Tuned
+    register tiles suit the CPU they were measured on: the Zen 4 logs ran the base layer's contractions at
+    68-85 % of the GEMM peak on a Sapphire Rapids VM, where schedules.packed reaches 91-97 %. A log without
+    meta.json (one a user tuned and passed) is taken to be tuned here."""
+    meta_path = os.path.join(os.fspath(logs_dir), META)
+    if target.kind.name != "llvm" or not os.path.isfile(meta_path):
+        return True
+    with open(meta_path) as f:
+        tuned = json.load(f).get("target")
+    if not tuned:
+        return True
+    tuned = tvm.target.Target(json.loads(tuned))
+    return str(tuned.attrs.get("mcpu", "")) == str(target.attrs.get("mcpu", "")) and not (
+        vector_bits(tuned) > vector_bits(target))
+
+
 def tuned_wider(meta: dict, target: tvm.target.Target) -> bool:
     """Whether the log was tuned (``meta["target"]``) for wider vector registers than ``target`` has: records
     tuned with AVX-512's 32 registers in mind spill on AVX2 (the same CPU model with AVX-512 masked by its VM:

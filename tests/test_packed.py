@@ -84,6 +84,23 @@ def test_shipped_logs_tuned_for_wider_vectors_are_skipped(tmp_path, monkeypatch)
     assert len(shipped_logs(tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "mattr": ["-gfni"]}))) == 2
 
 
+def test_contractions_are_packed_unless_a_log_was_tuned_on_this_cpu_model(tmp_path):
+    from schedules.apply import tuned_on_this_cpu
+    from tvmdm.build import packed_lanes
+
+    _fake_log(tmp_path, "zen4", {"kind": "llvm", "mcpu": "znver4"})
+    (tmp_path / "users").mkdir()  # a log a user tuned and passed: no meta.json, taken to be tuned here
+    zen4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})
+    xeon = tvm.target.Target({"kind": "llvm", "mcpu": "rocketlake", "mattr": ["+avx512bf16"]})  # a SPR VM
+    assert tuned_on_this_cpu(tmp_path / "zen4", zen4) and not tuned_on_this_cpu(tmp_path / "zen4", xeon)
+    assert tuned_on_this_cpu(tmp_path / "users", xeon)
+    assert packed_lanes([str(tmp_path / "zen4")], zen4, "fp32") is None
+    assert packed_lanes([str(tmp_path / "zen4")], xeon, "fp32") == 48  # the Zen 4 records serve the rest
+    assert packed_lanes([str(tmp_path / "zen4"), str(tmp_path / "users")], xeon, "fp32") is None
+    assert packed_lanes([], xeon, "fp32") == 48 and packed_lanes(None, xeon, "fp32") is None
+    assert packed_lanes([str(tmp_path / "zen4")], xeon, "bf16") is None  # bf16 has its own micro-kernel
+
+
 def test_panel_width_follows_the_vector_registers():
     assert panel_lanes(tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "mattr": ["-avx512f"]})) == 24
     assert panel_lanes(tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})) == 48

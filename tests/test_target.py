@@ -4,7 +4,7 @@ import sys
 
 import tvm
 
-from tvmdm.target import host_flags, make_target, missing_host_features
+from tvmdm.target import extra_host_features, host_flags, host_llvm_target, make_target, missing_host_features
 
 
 def test_features_the_host_lacks_are_switched_off(tmp_path):
@@ -24,6 +24,29 @@ def test_features_the_host_lacks_are_switched_off(tmp_path):
     assert missing_host_features("znver4", host_flags(str(tmp_path / "absent"))) == []  # no /proc: trust LLVM
 
 
+def test_features_the_model_lacks_are_switched_on(tmp_path):
+    # A Sapphire Rapids VM that calls itself "Intel Xeon Processor": LLVM's rocketlake, without AVX512-BF16/AMX.
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t: sse avx avx2 fma avx512f avx512bw avx512vl avx512_bf16 amx_tile amx_bf16 "
+                       "avx512_fp16 pdpe1gb\n")
+    extra = extra_host_features("rocketlake", host_flags(str(cpuinfo)))
+    assert {"avx512bf16", "amx-tile", "amx-bf16", "avx512fp16"} <= set(extra)
+    assert not {"avx512f", "avx2", "avx512vl"} & set(extra)  # rocketlake has those already
+    assert extra_host_features("sapphirerapids", host_flags(str(cpuinfo))) == []
+    assert extra_host_features("rocketlake", None) == []
+
+
+def test_host_target_spells_both_directions(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t: sse avx avx2 fma f16c avx512_bf16\n")
+    import tvmdm.target as target_module
+
+    monkeypatch.setattr(target_module, "host_cpu", lambda: "znver3")  # AVX2 model, no AVX-512
+    monkeypatch.setattr(target_module, "host_flags", lambda: host_flags(str(cpuinfo)))
+    mattr = host_llvm_target()["mattr"]
+    assert "+avx512bf16" in mattr and not any(m.startswith("-avx2") for m in mattr)
+
+
 def test_host_target_matches_proc_cpuinfo():
     target = make_target("llvm")
     flags = host_flags()
@@ -33,6 +56,7 @@ def test_host_target_matches_proc_cpuinfo():
     assert bool(has("avx512f", target)) == ("avx512f" in flags)
     assert bool(has("avx2", target)) == ("avx2" in flags)
     assert bool(has("avx512bf16", target)) == ("avx512bf16" in flags)
+    assert bool(has("amx-tile", target)) == ("amxtile" in flags)
 
 
 KERNEL_SCRIPT = """

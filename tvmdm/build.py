@@ -184,12 +184,16 @@ def resolve_logs(tuning_logs, target):
 
 
 def packed_lanes(tuning_logs, target, precision: str) -> int | None:
-    """The weight panel width for schedules.packed when the fp32 contractions have no tuned records to use: the
-    shipped logs were asked for and none suits this CPU (an explicit ``tuning_logs=None`` keeps the plain
-    default schedules)."""
+    """The weight panel width for schedules.packed when the fp32 contractions have no records tuned on this CPU
+    model: no log suits it, or the logs were tuned on another model (schedules.apply.tuned_on_this_cpu; their
+    records still serve the other kernels). An explicit ``tuning_logs=None`` keeps the plain default schedules,
+    a user's log directory (no meta.json) its own records."""
+    from schedules.apply import tuned_on_this_cpu
     from schedules.packed import panel_lanes
 
-    if target.kind.name != "llvm" or precision != "fp32" or not isinstance(tuning_logs, list) or tuning_logs:
+    if target.kind.name != "llvm" or precision != "fp32" or not isinstance(tuning_logs, list):
+        return None
+    if any(tuned_on_this_cpu(logs_dir, target) for logs_dir in tuning_logs):
         return None
     return panel_lanes(target)
 

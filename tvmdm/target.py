@@ -5,6 +5,7 @@ MetaSchedule's search space needs.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import tvm
@@ -47,18 +48,50 @@ def missing_host_features(cpu: str, flags: set[str] | None) -> list[str]:
     families above but the kernel's flags lack is returned, to be switched off with ``mattr``."""
     if flags is None:
         return []
-    target = tvm.target.Target({"kind": "llvm", "mcpu": cpu})
-    assumed = sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target))
+    assumed = sorted(_cpu_features(cpu))
     return [f for f in assumed if _normalized(f).startswith(_CHECKED_FEATURE_PREFIXES) and _normalized(f) not in flags]
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_features(cpu: str) -> frozenset[str]:
+    return frozenset(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(
+        tvm.target.Target({"kind": "llvm", "mcpu": cpu})))
+
+
+@functools.lru_cache(maxsize=1)
+def _known_vector_features() -> frozenset[str]:
+    """Every feature in the vector families above that LLVM knows for some x86 CPU (its own spelling)."""
+    cpus = tvm.target.codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm", "mcpu": "x86-64"}))
+    known = set()
+    for cpu in cpus:
+        try:
+            known |= _cpu_features(str(cpu))
+        except Exception:  # noqa: BLE001 - a name LLVM lists but will not build a target for
+            continue
+    return frozenset(f for f in known if _normalized(f).startswith(_CHECKED_FEATURE_PREFIXES))
+
+
+def extra_host_features(cpu: str, flags: set[str] | None) -> list[str]:
+    """Features the host has that LLVM does not assume for ``cpu``.
+
+    A VM may present a CPU model older than the silicon: a Sapphire Rapids VM here is "Intel Xeon Processor",
+    which LLVM calls "rocketlake", a model without AVX512-BF16 or AMX, although /proc/cpuinfo lists both.
+    Each such feature is switched on with ``mattr`` (bf16 contractions need it)."""
+    if flags is None:
+        return []
+    assumed = _cpu_features(cpu)
+    return sorted(f for f in _known_vector_features() if f not in assumed and _normalized(f) in flags)
+
+
 def host_llvm_target(**extra) -> dict:
-    """The llvm target dict for this machine: its CPU, with the features it lacks switched off."""
+    """The llvm target dict for this machine: its CPU, with the features it lacks switched off and the ones
+    LLVM does not know it has switched on."""
     cpu = host_cpu()
     target = {"kind": "llvm", "mcpu": cpu, **extra}
-    missing = missing_host_features(cpu, host_flags())
-    if missing:
-        target["mattr"] = [f"-{f}" for f in missing]
+    flags = host_flags()
+    mattr = [f"-{f}" for f in missing_host_features(cpu, flags)] + [f"+{f}" for f in extra_host_features(cpu, flags)]
+    if mattr:
+        target["mattr"] = mattr
     return target
 
 
