@@ -95,5 +95,25 @@ def test_sm_without_a_record_is_scheduled_per_head_and_matches_onnxruntime(tiny_
     script = compiled.mod["sm"].script()
     parallel = [line for line in script.splitlines() if "T.parallel" in line]
     assert len(parallel) == 1 and "T.parallel(T.int64(4))" in parallel[0] and "_global" in script, parallel
-    assert "_global" not in compiled.mod["attention_context"].script()  # P V: left to the default rule
+    context = compiled.mod["attention_context"].script()  # P V: accumulators per (batch, head) task, V in place
+    assert "_global" not in context and '"local"' in context and "T.parallel(T.int64(4))" in context
     assert compiled.check(tvmdm.random_inputs(compiled, batch=2, seq=8)).ok
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_attention_micro_kernels_on_whole_vectors_match_onnxruntime(layout):
+    # 64 keys and head dim 64: whole register tiles in both kernels (the tiny layer's 8 keys take the ragged
+    # path), the key tile copied in 8 x 8 squares; the packed contractions around them as a CPU without a
+    # record of its own gets them.
+    from tvmdm.models import BertConfig, build_encoder_layer
+
+    shapes = {"hidden_states": [2, 64, 128], "attention_mask": [2, 64]}
+    compiled = tvmdm.compile(build_encoder_layer(BertConfig(hidden=128, heads=2, ffn=256, batch=2, seq=64)),
+                             shapes=shapes, fusion="paper", layout=layout, tuning_logs=[])
+    for kernel in ("sm", "attention_context"):
+        script = compiled.mod[kernel].script()
+        assert '"local"' in script and "T.unroll" in script, kernel
+    feeds = tvmdm.random_inputs(compiled, batch=2, seq=64)
+    feeds["attention_mask"][1, 40:] = 0  # padded keys: the mask reaches the softmax inside SM
+    result = compiled.check(feeds)
+    assert result.ok, str(result)
