@@ -141,30 +141,37 @@ def _transpose_in_tiles(sch, tile, position: int) -> None:
 
 
 def _context_axes(block):
-    """(row, column) iter vars of out[.., i, .., d] = sum_j P[.., i, j] * V[.., j, .., d] (the P V form: one
-    operand contiguous along the reduction, the other along the output column d), else None."""
+    """(row, column) iter vars of out[.., r, .., c] = sum_k A[..r..k..] * B[.., k, .., c]: the output's last
+    axis c is the last index of one operand (read as vectors) and the row axis r indexes only the other (read
+    as broadcast scalars, in any order: P[.., i, j] for the context, P^T for dV = P^T dC and dK = dS^T Q);
+    else None."""
     kinds = [iv.iter_type for iv in block.iter_vars]
     if kinds != [tirx.IterVar.DataPar] * 4 + [tirx.IterVar.CommReduce]:
         return None
-    spatial, reduced = [iv.var for iv in block.iter_vars[:4]], block.iter_vars[4].var
-    product = getattr(block.body.value, "b", None)  # out + p * v
+    spatial = [iv.var for iv in block.iter_vars[:4]]
+    product = getattr(block.body.value, "b", None)  # out + a * b
     loads = [getattr(product, "a", None), getattr(product, "b", None)]
     if not all(getattr(load, "indices", None) for load in loads):
         return None
-    rows = [load for load in loads if load.indices[-1].same_as(reduced)]
-    columns = [load for load in loads if any(load.indices[-1].same_as(v) for v in spatial)]
-    if len(rows) != 1 or len(columns) != 1 or rows[0] is columns[0]:
+    column = block.body.indices[-1]
+    if not any(column.same_as(v) for v in spatial):
         return None
-    column = next(v for v in spatial if columns[0].indices[-1].same_as(v))
-    row = next((v for v in spatial if any(i.same_as(v) for i in rows[0].indices)
-                and not any(i.same_as(v) for i in columns[0].indices)), None)
+    vectors = [load for load in loads if load.indices[-1].same_as(column)]
+    if len(vectors) != 1:
+        return None
+    scalars = loads[1] if vectors[0] is loads[0] else loads[0]
+    if any(i.same_as(column) for i in scalars.indices):
+        return None
+    row = next((v for v in spatial if any(i.same_as(v) for i in scalars.indices)
+                and not any(i.same_as(v) for i in vectors[0].indices)), None)
     return None if row is None else (row, column)
 
 
 def schedule_context(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
-    """The P V form (attention_context; dQ = dS K in the backward pass) alone in a kernel: a task per (batch,
-    head), ROWS x KEY_VECTORS accumulators over the output columns, a broadcast P element and a contiguous V
-    row segment per step (the V rows of one head are 256 bytes each, read in place)."""
+    """The P V form alone in a kernel (attention_context; in the backward pass dQ = dS K, dK = dS^T Q and
+    dV = P^T dC): a task per (batch, head), ROWS x vectors accumulators over the output columns, a broadcast
+    P element and a contiguous V row segment per step (the V rows of one head are 256 bytes each, read in
+    place)."""
     sch = Schedule(func)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     if len(blocks) != 1 or sch.get(blocks[0]).name_hint != SCORES_BLOCK:
