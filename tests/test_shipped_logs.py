@@ -20,11 +20,13 @@ TUNED_HERE = any(tuned_on_this_cpu(d, make_target("llvm")) for d in shipped_logs
 
 
 def untuned(compiled, names) -> list[str]:
-    """Kernels among ``names`` without a record, less the packed contractions and their weight packing (which
-    run only where the logs were tuned on another CPU model, and need no record)."""
+    """Kernels among ``names`` left to the default schedule: neither a record nor a hand-written schedule (the
+    packed contractions, their weight packing and, where the records come from another CPU model, the
+    attention kernels)."""
     packed = {k for k in compiled.kernels if "packed_gemm" in k or k.startswith("pack_")}
     assert bool(packed) != TUNED_HERE, sorted(packed)
-    return sorted(set(names) - set(compiled.tuned_kernels) - packed)
+    assert packed <= set(compiled.hand_kernels), sorted(packed - set(compiled.hand_kernels))
+    return sorted(set(names) - set(compiled.tuned_kernels) - set(compiled.hand_kernels))
 
 
 def test_every_kernel_of_the_base_layer_is_tuned():

@@ -81,7 +81,8 @@ class Compiled(ModelRunner):
 
     def __init__(self, executable, imported, target, fusion: str, timings: dict[str, float],
                  kernel_ops: dict[str, list[str]], tuned_kernels: list[str], mod,
-                 read_fractions: dict[str, dict[int, float]] | None = None, precision: str = "fp32"):
+                 read_fractions: dict[str, dict[int, float]] | None = None, precision: str = "fp32",
+                 hand_kernels: list[str] | None = None):
         super().__init__(executable, inputs=imported.inputs, outputs=imported.outputs, params=imported.params,
                          target_kind=target.kind.name, index_bounds=imported.index_bounds)
         self.imported = imported
@@ -92,6 +93,7 @@ class Compiled(ModelRunner):
         self.kernel_ops = kernel_ops  # every TIR kernel of the module -> the graph ops it covers
         self.kernels = sorted(kernel_ops)
         self.tuned_kernels = tuned_kernels  # those that got a schedule from the tuning logs
+        self.hand_kernels = list(hand_kernels or [])  # those a hand-written schedule took (schedules.*): no log needed
         self.mod = mod  # the fused, scheduled IRModule that was built (for analysis and profiling)
         # kernel -> {input index: share of it read}: packed inputs a kernel reads only a slice of
         self.read_fractions = dict(read_fractions or {})
@@ -152,16 +154,16 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     lanes = packed_lanes(tuning_logs, tvm_target, precision)
     mod = fuse_stage.fuse(imported.mod, fusion, provenance, layout, read_fractions, precision=precision,
                           target_kind=tvm_target.kind.name, packed_lanes=lanes)
-    mod, tuned = _schedule(mod, tvm_target, tuning_logs, precision, packed=lanes is not None)
+    mod, tuned, hand = _schedule(mod, tvm_target, tuning_logs, precision, packed=lanes is not None)
     kernel_ops = {k: provenance.get(k, [fuse_stage.op_name(k)]) for k in kernels(mod)}
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     executable = relax.build(mod, target=tvm_target)
     timings["build"] = time.perf_counter() - t0
-    log.info("compiled %s for %s: %d/%d kernels tuned; %s", imported.source, tvm_target.kind.name, len(tuned),
-             len(kernel_ops), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    log.info("compiled %s for %s: %d/%d kernels tuned, %d by hand; %s", imported.source, tvm_target.kind.name,
+             len(tuned), len(kernel_ops), len(hand), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     return Compiled(executable, imported, tvm_target, fusion, timings, kernel_ops, tuned, mod, read_fractions,
-                    precision)
+                    precision, hand_kernels=hand)
 
 
 def _import(model, shapes, params):
@@ -199,7 +201,7 @@ def packed_lanes(tuning_logs, target, precision: str) -> int | None:
 
 
 def _schedule(mod, target, tuning_logs, precision: str = "fp32",
-              packed: bool = False) -> tuple[tvm.IRModule, list[str]]:
+              packed: bool = False) -> tuple[tvm.IRModule, list[str], list[str]]:
     """Tuned records where the logs have them, our default schedules for every other kernel; on the CPU first
     the hand-written schedules: column reductions and 2-D transposes (schedules.reductions, .transposes), the
     packed fp32 contractions (schedules.packed) and, under bf16, the contractions and conversions
@@ -207,7 +209,8 @@ def _schedule(mod, target, tuning_logs, precision: str = "fp32",
     packed (the records come from another CPU model: 5.5 ms for SM from the Zen 4 log on a Sapphire Rapids VM,
     1.5 ms by hand), after them otherwise.
     ``tuning_logs``: as resolve_logs returns them; ``packed``: the fuse stage packed the weights
-    (packed_lanes), so there are packed kernels to look for."""
+    (packed_lanes), so there are packed kernels to look for. Returns the module, the kernels scheduled from the
+    logs and those scheduled by hand."""
     from schedules import apply_default_schedules, apply_tuning_logs
     from schedules.attention import apply_attention_schedules
     from schedules.bf16 import apply_bf16_schedules
@@ -215,15 +218,20 @@ def _schedule(mod, target, tuning_logs, precision: str = "fp32",
     from schedules.reductions import apply_reduction_schedules
     from schedules.transposes import apply_transpose_schedules
 
-    tuned = []
+    tuned, hand = [], []
+
+    def by_hand(result):  # collect the kernels a hand-written schedule took
+        hand.extend(result[1])
+        return result[0]
+
     if target.kind.name == "llvm":
-        mod, _ = apply_transpose_schedules(apply_reduction_schedules(mod)[0])
+        mod = by_hand(apply_transpose_schedules(by_hand(apply_reduction_schedules(mod))))
     if packed:  # no records tuned on this CPU model: our kernels before any record from another one
-        mod, _ = apply_attention_schedules(apply_packed_schedules(mod, target)[0], vector_lanes(target))
+        mod = by_hand(apply_attention_schedules(by_hand(apply_packed_schedules(mod, target)), vector_lanes(target)))
     if precision == "bf16" and target.kind.name == "llvm":
-        mod, _ = apply_bf16_schedules(mod, target)  # hand-written micro-kernel: no log needed
+        mod = by_hand(apply_bf16_schedules(mod, target))  # hand-written micro-kernel: no log needed
     if tuning_logs:
         mod, tuned = apply_tuning_logs(mod, target, tuning_logs)
     if target.kind.name == "llvm" and not packed:  # after the logs: only attention kernels they have no record for
-        mod, _ = apply_attention_schedules(mod, vector_lanes(target))
-    return apply_default_schedules(mod, target), tuned
+        mod = by_hand(apply_attention_schedules(mod, vector_lanes(target)))
+    return apply_default_schedules(mod, target), tuned, sorted(hand)

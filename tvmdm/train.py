@@ -341,13 +341,13 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     lanes = packed_lanes(tuning_logs, tvm_target, precision)
     mod = fuse_stage.fuse(mod, fusion, layout=layout, lift_params=False, precision=precision,
                           target_kind=tvm_target.kind.name, packed_lanes=lanes)
-    mod, tuned = _schedule(mod, tvm_target, tuning_logs, precision, packed=lanes is not None)
+    mod, tuned, hand = _schedule(mod, tvm_target, tuning_logs, precision, packed=lanes is not None)
     timings["fuse+schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     executable = relax.build(mod, target=tvm_target)
     timings["build"] = time.perf_counter() - t0
-    log.info("compiled training step of %s for %s: %d kernels (%d tuned); %s", imported.source, tvm_target.kind.name,
-             len(kernels(mod)), len(tuned), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    log.info("compiled training step of %s for %s: %d kernels (%d tuned, %d by hand); %s", imported.source,
+             tvm_target.kind.name, len(kernels(mod)), len(tuned), len(hand), ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     target_ty = mod["loss_and_grads"].params[len(imported.inputs) + len(sites) + (scaler is not None)].ty
     step = TrainStep(executable, inputs=imported.inputs, outputs=imported.outputs, params=trainable,
                      target_kind=tvm_target.kind.name, index_bounds=imported.index_bounds,
@@ -355,6 +355,7 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
                      optimizer=optimizer, loss_name=loss if isinstance(loss, str) else "custom",
                      dropout=DropoutConfig(float(dropout), seed, sites), loss_scaler=scaler)
     step.timings, step.mod, step.imported = timings, mod, imported
+    step.tuned_kernels, step.hand_kernels = tuned, hand  # scheduled from the logs / by a hand-written schedule
     step.memory = memory_estimate(mod)
     step.checkpoint = checkpoint
     step.precision = precision
