@@ -89,3 +89,63 @@ def test_training_step_gradients_read_operands_in_place(tiny_layer):
     # no activation [B, S, K] is transposed by a kernel: what is left are weights (2-D: the packing of the
     # input gradients' dY W^T) and the attention's heads (4-D)
     assert all(len(_arg_shapes(step.mod[k])[0]) in (2, 4) for k in kernels if k.startswith("transpose"))
+
+
+@tvm.script.ir_module
+class GeluLoss:
+    """sum(GELU(x + b) * w), GELU as torch's ONNX exporter writes it (Div, Erf, Add, Mul, Mul)."""
+
+    @R.function
+    def main(x: R.Tensor((4, 32), "float32"), w: R.Tensor((4, 32), "float32"),
+             b: R.Tensor((32,), "float32")) -> R.Tensor((), "float32"):
+        with R.dataflow():
+            h = R.add(x, b)
+            s = R.divide(h, R.const(1.4142135381698608, "float32"))
+            a = R.add(R.erf(s), R.const(1.0, "float32"))
+            g = R.multiply(R.multiply(h, a), R.const(0.5, "float32"))
+            loss = R.sum(R.multiply(g, w))
+            R.output(loss)
+        return loss
+
+
+def _gelu_gradient_module() -> tvm.IRModule:
+    """GeluLoss's gradient w.r.t. x and b as Relax's Gradient writes it, as the module's main."""
+    from tvmdm import compat
+
+    compat.register_missing_gradients()  # erf's among them
+    adjoint = relax.transform.Gradient("main", require_grads=None)(GeluLoss)["main_adjoint"]
+    return tvm.IRModule({"main": adjoint.with_attr("global_symbol", "main")})
+
+
+def _run_tuple(mod, *args) -> list[np.ndarray]:
+    from tvmdm.fuse import lowering_passes
+
+    lowered = tvm.transform.Sequential(lowering_passes() + [relax.transform.FuseOps(), relax.transform.FuseTIR()])(mod)
+    vm = relax.VirtualMachine(relax.build(lowered, target="llvm"), tvm.cpu())
+    loss, grads = vm["main"](*[tvm.runtime.tensor(a) for a in args])
+    return [loss.numpy()] + [g.numpy() for g in grads]
+
+
+def test_gelu_gradient_is_recomputed_from_the_pre_activation():
+    from scipy.special import erf
+
+    from tvmdm.backward_kernels import recompute_gelu_gradient
+
+    rng = np.random.default_rng(0)
+    x, w = (rng.standard_normal((4, 32)).astype(np.float32) for _ in range(2))
+    b = rng.standard_normal(32).astype(np.float32)
+    h = (x + b).astype(np.float64)
+    dh = w * (0.5 * (1 + erf(h / np.sqrt(2))) + h * np.exp(-h * h / 2) / np.sqrt(2 * np.pi))
+
+    gradient = _gelu_gradient_module()
+    rewritten = recompute_gelu_gradient()(gradient)
+    before, after = _ops(gradient["main"]), _ops(rewritten["main"])
+    # Gradient's form reads the forward's 1 + erf(x / sqrt2) and multiplies by 2/sqrt(pi) and 1/sqrt2 apart;
+    # the recomputed one evaluates erf again (so the forward's need not be kept) and has one divide by sqrt2
+    assert after.count("relax.erf") == 2 and before.count("relax.erf") == 1
+    assert before.count("relax.divide") == 2 and after.count("relax.divide") == 2  # forward s and recomputed s
+    for got in (_run_tuple(gradient, x, w, b), _run_tuple(rewritten, x, w, b)):
+        np.testing.assert_allclose(got[1], dh, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[3], dh.sum(0), rtol=1e-5, atol=1e-4)
+    # a gradient without GELU is left alone
+    tvm.ir.assert_structural_equal(recompute_gelu_gradient()(WeightGradient), WeightGradient)

@@ -26,7 +26,7 @@ from tvm.s_tir import schedule as sch_mod
 
 from tvmdm import compat, graph_rewrites
 from tvmdm.backward import transposed_left_contractions
-from tvmdm.backward_kernels import BACKWARD_KERNELS, backward_patterns
+from tvmdm.backward_kernels import BACKWARD_KERNELS, backward_patterns, recompute_gelu_gradient
 from tvmdm.precision import precision_passes
 
 FUSION_LEVELS = ("none", "tvm", "paper")
@@ -292,6 +292,8 @@ def graph_passes(fusion: str, layout: str = "bshd", read_fractions: dict | None 
     ``lift_params``: lift (inference only: a training step changes its weights every step). ``packed_lanes``:
     fp32 weights packed in panels that wide (see precision.packed_fp32_contractions)."""
     passes = [paper_graph_rewrites(layout)] if fusion == "paper" else []
+    if fusion == "paper" and not lift_params:  # a training step: its GELU gradient from the pre-activation alone
+        passes.append(recompute_gelu_gradient())
     passes += precision_passes(precision, training=not lift_params, target_kind=target_kind,
                                packed_lanes=packed_lanes)
     if not lift_params:  # a training step: its weight gradients read the activations transposed, in place
