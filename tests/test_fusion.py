@@ -191,4 +191,4 @@ def test_paper_fused_training_step_matches_torch_autograd(tiny_layer):
     assert fused == {"blnrd": 2, "bsb": 2, "bs": 1, "bdrb": 1}
     bytes_paper, bytes_stock = (report_for(s.mod, {}, "tiny", "", entry="train_step").total_bytes
                                 for s in (step, stock))
-    assert bytes_paper < 0.95 * bytes_stock  # 6.4 % less on this tiny layer, 13.4 % on the base layer
+    assert bytes_paper < 0.92 * bytes_stock  # 11.2 % less on this tiny layer, 23.9 % on the base layer
