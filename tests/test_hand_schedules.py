@@ -1,6 +1,7 @@
 """The CPU kernels scheduled by hand before the logs apply (schedules.reductions, schedules.transposes): bias
 and LayerNorm-parameter gradients, 2-D transposes; same numbers as numpy, left out of tuning. And after them,
-the paper's SM kernel where no record covers it (schedules.attention)."""
+the paper's SM kernel where no record covers it (schedules.attention), and row-wise normalizations
+(schedules.rows)."""
 import numpy as np
 import pytest
 import tvm
@@ -117,3 +118,51 @@ def test_attention_micro_kernels_on_whole_vectors_match_onnxruntime(layout):
     feeds["attention_mask"][1, 40:] = 0  # padded keys: the mask reaches the softmax inside SM
     result = compiled.check(feeds)
     assert result.ok, str(result)
+
+
+@tvm.script.ir_module
+class RowNormalizations:
+    @R.function
+    def main(x: R.Tensor((4, 8, 64), "float32"), r: R.Tensor((4, 8, 64), "float32"), g: R.Tensor((64,), "float32"),
+             b: R.Tensor((64,), "float32"), odd: R.Tensor((4, 8, 40), "float32")):
+        with R.dataflow():
+            ln = R.nn.layer_norm(R.add(R.add(x, b), r), g, b, axes=[-1], epsilon=1e-5)
+            sm = R.nn.softmax(x, axis=-1)
+            centred = R.subtract(x, R.mean(x, axis=[2], keepdims=True))  # a kept axis of 1
+            ragged = R.nn.softmax(odd, axis=-1)  # 40 columns: not whole vectors, left to the default rule
+            middle = R.sum(x, axis=[1])  # reduces a middle axis: not a row normalization
+            out = (ln, sm, centred, ragged, middle)
+            R.output(out)
+        return out
+
+
+def test_row_normalizations_are_scheduled_per_row_tile_and_exact():
+    from schedules.default import apply_default_schedules
+    from schedules.rows import apply_row_schedules
+
+    mod = _lowered(RowNormalizations)
+    scheduled, done = apply_row_schedules(mod, 16)
+    # not: the ragged softmax (fast_softmax1), the middle-axis sum, the element-wise adds
+    assert sorted(done) == ["fast_softmax", "fused_mean_subtract", "layer_norm"]
+    for name in done:
+        script = scheduled[name].script()
+        assert "_rf" in script and "T.parallel" in script  # lane partials, rows in parallel
+    target = tvm.target.Target({"kind": "llvm"})
+    vm = relax.VirtualMachine(relax.build(apply_default_schedules(scheduled, target), target=target), tvm.cpu())
+    rng = np.random.default_rng(0)
+    x, r = (rng.standard_normal((4, 8, 64)).astype(np.float32) for _ in range(2))
+    g, b = (rng.standard_normal(64).astype(np.float32) for _ in range(2))
+    odd = rng.standard_normal((4, 8, 40)).astype(np.float32)
+    ln, sm, centred, ragged, middle = (t.numpy() for t in vm["main"](*map(tvm.runtime.tensor, (x, r, g, b, odd))))
+    h = x + b + r
+    want_ln = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-5) * g + b
+
+    def softmax(a):
+        e = np.exp(a - a.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    np.testing.assert_allclose(ln, want_ln, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(sm, softmax(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(centred, x - x.mean(-1, keepdims=True), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ragged, softmax(odd), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(middle, x.sum(1), rtol=1e-5, atol=1e-5)

@@ -205,7 +205,8 @@ def _schedule(mod, target, tuning_logs, precision: str = "fp32",
     """Tuned records where the logs have them, our default schedules for every other kernel; on the CPU first
     the hand-written schedules: column reductions and 2-D transposes (schedules.reductions, .transposes), the
     packed fp32 contractions (schedules.packed) and, under bf16, the contractions and conversions
-    (schedules.bf16); the paper's attention kernels (schedules.attention) before the logs when the contractions are
+    (schedules.bf16); the paper's attention kernels (schedules.attention) and row-wise normalizations
+    (schedules.rows: LayerNorm, BDRLN, softmax, BLNRD) before the logs when the contractions are
     packed (the records come from another CPU model: 5.5 ms for SM from the Zen 4 log on a Sapphire Rapids VM,
     1.5 ms by hand), after them otherwise.
     ``tuning_logs``: as resolve_logs returns them; ``packed``: the fuse stage packed the weights
@@ -216,6 +217,7 @@ def _schedule(mod, target, tuning_logs, precision: str = "fp32",
     from schedules.bf16 import apply_bf16_schedules
     from schedules.packed import apply_packed_schedules
     from schedules.reductions import apply_reduction_schedules
+    from schedules.rows import apply_row_schedules
     from schedules.transposes import apply_transpose_schedules
 
     tuned, hand = [], []
@@ -224,14 +226,19 @@ def _schedule(mod, target, tuning_logs, precision: str = "fp32",
         hand.extend(result[1])
         return result[0]
 
+    def rows_and_attention(mod):
+        mod = by_hand(apply_attention_schedules(mod, vector_lanes(target)))
+        return by_hand(apply_row_schedules(mod, vector_lanes(target)))
+
     if target.kind.name == "llvm":
         mod = by_hand(apply_transpose_schedules(by_hand(apply_reduction_schedules(mod))))
+
     if packed:  # no records tuned on this CPU model: our kernels before any record from another one
-        mod = by_hand(apply_attention_schedules(by_hand(apply_packed_schedules(mod, target)), vector_lanes(target)))
+        mod = rows_and_attention(by_hand(apply_packed_schedules(mod, target)))
     if precision == "bf16" and target.kind.name == "llvm":
         mod = by_hand(apply_bf16_schedules(mod, target))  # hand-written micro-kernel: no log needed
     if tuning_logs:
         mod, tuned = apply_tuning_logs(mod, target, tuning_logs)
-    if target.kind.name == "llvm" and not packed:  # after the logs: only attention kernels they have no record for
-        mod = by_hand(apply_attention_schedules(mod, vector_lanes(target)))
+    if target.kind.name == "llvm" and not packed:  # after the logs: only kernels they have no record for
+        mod = rows_and_attention(mod)
     return apply_default_schedules(mod, target), tuned, sorted(hand)

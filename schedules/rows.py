@@ -1,0 +1,89 @@
+"""Row-wise normalizations (LayerNorm, BDRLN, softmax, LayerNorm's input gradient BLNRD) scheduled by hand.
+
+Such a kernel is a few reductions over the last axis of each row (sums, squared deviations, maxima), then one
+element-wise block writing the row, every block indexed by the same leading axes. The default rule and the
+Zen 4 records run each reduction over all rows before the next starts (each pass reads the inputs from
+memory again) and reduce a row serially (one add per cycle). Here a parallel task is a tile of rows: every
+reduction of a row runs while its inputs are in L1, as ``lanes`` partial results side by side (rfactor,
+vectorized) combined at the row's end, and the output is written a vector at a time.
+Sapphire Rapids VM, 2 cores, base layer (B=8, S=128): BDRLN 0.65 ms (Zen 4 record; default rule 1.34) -> 0.18,
+LayerNorm 0.19 -> 0.13, BLNRD 1.02 -> 0.21, BS 0.58 -> 0.33; softmax as fast as its record (0.56).
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.s_tir import Schedule
+
+from schedules.apply import apply_hand_schedule
+from schedules.default import inline_elementwise
+
+ROW_TILE = 4  # rows per task: a few KB of each input, in L1 across the reductions
+
+
+def _unit(iter_var) -> bool:
+    return iter_var.iter_type == tirx.IterVar.DataPar and isinstance(iter_var.dom.extent, tirx.IntImm) \
+        and iter_var.dom.extent.value == 1
+
+
+def _row_blocks(sch, lanes: int) -> list[str] | None:
+    """The block names when the kernel is a row-wise normalization over a last axis that ``lanes`` divides:
+    reductions over the last axis alone (the output's leading axes, maybe a kept axis of 1), then one
+    element-wise block; else None."""
+    names = inline_elementwise(sch, sch.get_sblock("root"))
+    if len(names) < 2:
+        return None
+    last = sch.get(sch.get_sblock(names[-1]))
+    if any(iv.iter_type != tirx.IterVar.DataPar for iv in last.iter_vars) or len(last.iter_vars) < 2:
+        return None
+    extent = last.iter_vars[-1].dom.extent
+    if not isinstance(extent, tirx.IntImm) or extent.value % lanes:
+        return None
+    leading = len(last.iter_vars) - 1
+    for name in names[:-1]:
+        block = sch.get_sblock(name)
+        iter_vars = sch.get(block).iter_vars
+        if len(iter_vars) == leading + 2 and _unit(iter_vars[-2]):  # a kept dim: [rows..., 1]
+            iter_vars = [*iter_vars[:-2], iter_vars[-1]]
+        kinds = [iv.iter_type for iv in iter_vars]
+        if kinds != [tirx.IterVar.DataPar] * leading + [tirx.IterVar.CommReduce] \
+                or not isinstance(iter_vars[-1].dom.extent, tirx.IntImm) or iter_vars[-1].dom.extent.value != extent.value \
+                or len(sch.get_loops(block)) != len(sch.get(block).iter_vars):
+            return None
+    return names
+
+
+def schedule_row_normalization(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
+    """The schedule above, or None when ``func`` is not a row-wise normalization."""
+    sch = Schedule(func)
+    names = _row_blocks(sch, lanes)
+    if names is None:
+        return None
+    for name in names[:-1]:  # each reduction as ``lanes`` partials (name_rf), then their sum (name)
+        block = sch.get_sblock(name)
+        _, lane = sch.split(sch.get_loops(block)[-1], [None, lanes])
+        sch.rfactor(lane, factor_axis=len(sch.get(block).iter_vars) - 1)
+    out = sch.get_sblock(names[-1])
+    *leading, column = sch.get_loops(out)
+    rows = sch.fuse(*leading) if len(leading) > 1 else leading[0]
+    n_rows = int(sch.get(rows).extent)
+    tile = next(t for t in (ROW_TILE, 2, 1) if n_rows % t == 0)
+    task, row = sch.split(rows, [None, tile])
+    sch.parallel(task)
+    blocks = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))][:-1]
+    for name in reversed(blocks):
+        sch.compute_at(sch.get_sblock(name), row)
+    sch.vectorize(sch.split(column, [None, lanes])[1])
+    for name in blocks:
+        block = sch.get_sblock(name)
+        loops = sch.get_loops(block)
+        if name.endswith("_rf"):  # partials: (lane, step) -> (step, lane), the lanes vectorized
+            lane, step = loops[-2:]
+            sch.reorder(step, lane)
+            sch.vectorize(lane)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def apply_row_schedules(mod: tvm.IRModule, lanes: int) -> tuple[tvm.IRModule, list[str]]:
+    """Every unscheduled row-wise normalization of ``mod`` (llvm); returns the module and their names."""
+    return apply_hand_schedule(mod, lambda func: schedule_row_normalization(func, lanes))
