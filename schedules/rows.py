@@ -26,6 +26,18 @@ def _unit(iter_var) -> bool:
         and iter_var.dom.extent.value == 1
 
 
+def is_row_reduction(block: tirx.SBlock, leading: int, width: int) -> bool:
+    """Whether ``block`` reduces the last axis (``width`` long) of each of ``leading`` spatial axes (then maybe a
+    kept axis of 1)."""
+    iter_vars = list(block.iter_vars)
+    if len(iter_vars) == leading + 2 and _unit(iter_vars[-2]):  # a kept dim: [rows..., 1]
+        iter_vars = [*iter_vars[:-2], iter_vars[-1]]
+    kinds = [iv.iter_type for iv in iter_vars]
+    extent = iter_vars[-1].dom.extent
+    return kinds == [tirx.IterVar.DataPar] * leading + [tirx.IterVar.CommReduce] \
+        and isinstance(extent, tirx.IntImm) and extent.value == width
+
+
 def _row_blocks(sch, lanes: int) -> list[str] | None:
     """The block names when the kernel is a row-wise normalization over a last axis that ``lanes`` divides:
     reductions over the last axis alone (the output's leading axes, maybe a kept axis of 1), then one
@@ -39,18 +51,42 @@ def _row_blocks(sch, lanes: int) -> list[str] | None:
     extent = last.iter_vars[-1].dom.extent
     if not isinstance(extent, tirx.IntImm) or extent.value % lanes:
         return None
-    leading = len(last.iter_vars) - 1
     for name in names[:-1]:
         block = sch.get_sblock(name)
-        iter_vars = sch.get(block).iter_vars
-        if len(iter_vars) == leading + 2 and _unit(iter_vars[-2]):  # a kept dim: [rows..., 1]
-            iter_vars = [*iter_vars[:-2], iter_vars[-1]]
-        kinds = [iv.iter_type for iv in iter_vars]
-        if kinds != [tirx.IterVar.DataPar] * leading + [tirx.IterVar.CommReduce] \
-                or not isinstance(iter_vars[-1].dom.extent, tirx.IntImm) or iter_vars[-1].dom.extent.value != extent.value \
+        if not is_row_reduction(sch.get(block), len(last.iter_vars) - 1, extent.value) \
                 or len(sch.get_loops(block)) != len(sch.get(block).iter_vars):
             return None
     return names
+
+
+def reductions_in_row_tiles(sch, reductions: list[str], anchor: str, lanes: int, alone: bool = False):
+    """Each of ``reductions`` as ``lanes`` partials (name_rf, vectorized) and their sum (name); the rows of block
+    ``anchor`` (all its loops but the last) in parallel tiles, every block before it computed per tile
+    (``alone``: only the anchor's partials, the anchor being one of ``reductions`` whose other consumers do not
+    run per row). Returns the anchor's last loop."""
+    for name in reductions:
+        block = sch.get_sblock(name)
+        _, lane = sch.split(sch.get_loops(block)[-1], [None, lanes])
+        sch.rfactor(lane, factor_axis=len(sch.get(block).iter_vars) - 1)
+    *leading, last = sch.get_loops(sch.get_sblock(anchor))
+    rows = sch.fuse(*leading) if len(leading) > 1 else leading[0]
+    n_rows = int(sch.get(rows).extent)
+    tile = next(t for t in (ROW_TILE, 2, 1) if n_rows % t == 0)
+    task, row = sch.split(rows, [None, tile])
+    sch.parallel(task)
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    before = [anchor + "_rf"] if alone else names[:names.index(anchor)]
+    for name in reversed(before):
+        sch.compute_at(sch.get_sblock(name), row)
+    depth = len(sch.get_loops(sch.get_sblock(anchor))) - 1  # the loops down to ``row``
+    for name in before:
+        if name.endswith("_rf"):  # partials: (lane, [kept 1], step) -> (step, lane), the lanes vectorized
+            block = sch.get_sblock(name)
+            inner = sch.get_loops(block)[depth:]
+            lane = next(loop for loop in inner if int(sch.get(loop).extent) == lanes)
+            sch.reorder(inner[-1], lane)
+            sch.vectorize(lane)
+    return last
 
 
 def schedule_row_normalization(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
@@ -59,28 +95,8 @@ def schedule_row_normalization(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc
     names = _row_blocks(sch, lanes)
     if names is None:
         return None
-    for name in names[:-1]:  # each reduction as ``lanes`` partials (name_rf), then their sum (name)
-        block = sch.get_sblock(name)
-        _, lane = sch.split(sch.get_loops(block)[-1], [None, lanes])
-        sch.rfactor(lane, factor_axis=len(sch.get(block).iter_vars) - 1)
-    out = sch.get_sblock(names[-1])
-    *leading, column = sch.get_loops(out)
-    rows = sch.fuse(*leading) if len(leading) > 1 else leading[0]
-    n_rows = int(sch.get(rows).extent)
-    tile = next(t for t in (ROW_TILE, 2, 1) if n_rows % t == 0)
-    task, row = sch.split(rows, [None, tile])
-    sch.parallel(task)
-    blocks = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))][:-1]
-    for name in reversed(blocks):
-        sch.compute_at(sch.get_sblock(name), row)
+    column = reductions_in_row_tiles(sch, names[:-1], names[-1], lanes)
     sch.vectorize(sch.split(column, [None, lanes])[1])
-    for name in blocks:
-        block = sch.get_sblock(name)
-        loops = sch.get_loops(block)
-        if name.endswith("_rf"):  # partials: (lane, step) -> (step, lane), the lanes vectorized
-            lane, step = loops[-2:]
-            sch.reorder(step, lane)
-            sch.vectorize(lane)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 

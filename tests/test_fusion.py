@@ -189,6 +189,9 @@ def test_paper_fused_training_step_matches_torch_autograd(tiny_layer):
         if k.rstrip("0123456789") in fused:
             fused[k.rstrip("0123456789")] += n
     assert fused == {"blnrd": 2, "bsb": 2, "bs": 1, "bdrb": 1}
+    # scheduled by hand: BSB's row statistics and column sums (schedules.reductions), BLNRD per row tile
+    # (schedules.rows; BS too where its rows are whole vectors, not 8 keys); their numbers are checked above
+    assert {"blnrd", "bsb"} <= {k.rstrip("0123456789") for k in step.hand_kernels}
     bytes_paper, bytes_stock = (report_for(s.mod, {}, "tiny", "", entry="train_step").total_bytes
                                 for s in (step, stock))
     assert bytes_paper < 0.92 * bytes_stock  # 11.2 % less on this tiny layer, 23.9 % on the base layer
