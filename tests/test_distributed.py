@@ -71,7 +71,9 @@ def test_two_processes_match_one_process_on_the_full_batch(tmp_path, tiny_layer)
         for name, value in single.params().items():
             if name.endswith("attention.self.key.bias"):
                 continue  # zero gradient in exact arithmetic: Adam moves it on rounding noise (see test_train)
-            np.testing.assert_allclose(result[name.replace("/", "|")], value, rtol=1e-5, atol=2e-6, err_msg=name)
+            # atol: Adam divides by sqrt(v), so a weight whose gradient is near rounding noise moves on that noise
+            # (the halves' summed gradients round differently from the full batch's): up to 2.8e-6 in 3 steps
+            np.testing.assert_allclose(result[name.replace("/", "|")], value, rtol=1e-5, atol=4e-6, err_msg=name)
     for name in single.params():  # and the two processes hold identical weights
         np.testing.assert_array_equal(results[0][name.replace("/", "|")], results[1][name.replace("/", "|")])
 
