@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 
@@ -14,6 +15,7 @@ from tvmdm.target import vector_bits
 
 SHIPPED_LOGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tuning_logs")
 META = "meta.json"
+log = logging.getLogger("tvmdm")
 
 
 def shipped_logs(target) -> list[str]:
@@ -96,7 +98,9 @@ def apply_hand_schedule(mod: tvm.IRModule, schedule) -> tuple[tvm.IRModule, list
             continue
         try:
             scheduled = schedule(func.with_attr("global_symbol", gv.name_hint))
-        except Exception:  # noqa: BLE001 - a loop nest the rule does not fit
+        except Exception as err:  # noqa: BLE001 - a loop nest the rule does not fit
+            log.debug("%s: hand schedule %s failed, left to the next rule: %s", gv.name_hint,
+                      getattr(schedule, "__name__", schedule), str(err).splitlines()[0] if str(err) else type(err).__name__)
             scheduled = None
         if scheduled is not None:
             mod[gv] = scheduled

@@ -75,9 +75,11 @@ def schedule_packed_gemm(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc:
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def _reads_along(value, var) -> bool:
-    """Whether the last index of the load ``value`` depends on ``var`` (the read is contiguous along it)."""
-    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(value.indices[-1]))
+def _reads_along(block, var) -> bool:
+    """Whether the last index of every read of ``block`` depends on ``var`` (the reads are contiguous along it;
+    a concatenation reads one of several)."""
+    return all(any(v.same_as(var) for v in tirx.analysis.undefined_vars(read.region[-1].min))
+               for read in block.reads)
 
 
 def schedule_weight_pack(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -87,11 +89,19 @@ def schedule_weight_pack(func: tirx.PrimFunc) -> tirx.PrimFunc:
     -> 0.3 ms."""
     sch = Schedule(func)
     block = sch.get_sblock(PACK_BLOCK)
+    sources = 1
     for producer in sch.get_producers(block):  # a reshape fused in front (dY's [B, S, N] -> [B*S, N])
+        if sch.get(producer).name_hint.startswith("T_concat"):  # merged QKV: training packs it each step
+            sources = len(sch.get(producer).reads)
         sch.compute_inline(producer)
     *_, no, ko, ni, _pair = sch.get_loops(block)
+    if sources > 1 and int(sch.get(no).extent) % sources == 0:
+        # A panel per source at a time: the source loop unrolled, each copy's concat condition is constant and
+        # simplifies away (else a select per element: [768, 3 x 768] 2.1 -> 0.27 ms, 3.8 -> 0.74 from DRAM)
+        source, no = sch.split(no, [sources, None])
+        sch.unroll(source)
     sch.parallel(no)
-    if _reads_along(sch.get(block).body.value, sch.get(block).iter_vars[-2].var):
+    if _reads_along(sch.get(block), sch.get(block).iter_vars[-2].var):
         sch.vectorize(ni)
     else:
         koo, koi = sch.split(ko, [None, TILE])
