@@ -124,7 +124,9 @@ def test_training_step_without_logs_packs_each_step_and_matches_the_plain_step(f
     assert sum(n for k, n in calls.items() if "packed_gemm" in k) == (11 if fusion == "paper" else 15), calls
     for name in calls:
         if any(word in name for word in ("packed_gemm", "pack_weight", "transpose_rows")):
-            assert "T.parallel" in packed.mod[name].script(), name
+            # by our schedules, not the default rule's fallback (which is parallel too): the merged QKV's
+            # concatenation once made the pack rule raise, unnoticed
+            assert name in packed.hand_kernels and "T.parallel" in packed.mod[name].script(), name
     loss, grads = packed.gradients(batch)
     want_loss, want = plain.gradients(batch)
     assert loss == pytest.approx(want_loss, rel=1e-6)
