@@ -26,3 +26,10 @@ def test_cuda_build_without_gpu(tmp_path, tiny_layer, arch):
             compiled.run(tvmdm.random_inputs(compiled))
         with pytest.raises(tvmdm.ArtifactError, match="compiled for cuda, but this TVM runtime cannot load it here"):
             tvmdm.load(path)
+
+
+def test_cuda_training_step_builds_without_gpu(tiny_layer):
+    # every kernel of the step bound to threads by dlight, the one-kernel AdamW update (three outputs) included
+    step = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, target="cuda:sm_80", fusion="paper")
+    source = _cuda_source(step)
+    assert "adamw" in source and "threadIdx.x" in source and "blockIdx.x" in source
