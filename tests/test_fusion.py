@@ -62,6 +62,23 @@ def test_paper_fusion_matches_onnxruntime_in_every_layout(tiny_layer, layout):
     assert bool(transposes) == (layout != "bshd"), compiled.kernel_ops
 
 
+@pytest.mark.parametrize("shapes", [None, TINY_SHAPES])  # symbolic: plain contractions; static: packed ones
+def test_relu_ffn_fuses_bias_and_activation_into_its_contraction(shapes):
+    # the paper's BRD (bias + ReLU + dropout; dropout is the identity at inference): one kernel with the FFN's
+    # first contraction, as BGD for GELU
+    from tvmdm.models import BertConfig, build_encoder_layer
+
+    model = build_encoder_layer(BertConfig(hidden=32, heads=2, ffn=64, activation="relu"))
+    compiled = tvmdm.compile(model, fusion="paper", shapes=shapes)
+    inputs = tvmdm.random_inputs(compiled, batch=2, seq=8)
+    result = compiled.check(inputs)
+    assert result.ok and result.max_abs_err < 1e-4, str(result)
+    (brd,) = [ops for ops in compiled.kernel_ops.values() if "relu" in ops]
+    assert "add" in brd and any(word in op for op in brd for word in ("matmul", "gemm")), brd
+    with pytest.raises(ValueError, match="activation must be 'gelu' or 'relu', got 'tanh'"):
+        BertConfig(activation="tanh")
+
+
 def test_paper_fusion_has_fewer_kernels_and_moves_fewer_bytes(tiny_layer):
     stock = tvmdm.analyze(tiny_layer, fusion="tvm", shapes=TINY_SHAPES)
     paper = tvmdm.analyze(tiny_layer, fusion="paper", shapes=TINY_SHAPES)

@@ -31,6 +31,11 @@ class BertConfig:
     batch: int = 8
     seq: int = 128
     seed: int = 0
+    activation: str = "gelu"  # the FFN's: "gelu" (BERT) or "relu" (the paper's BRD variant)
+
+    def __post_init__(self):
+        if self.activation not in ("gelu", "relu"):
+            raise ValueError(f"BertConfig.activation must be 'gelu' or 'relu', got {self.activation!r}")
 
     @property
     def head_dim(self) -> int:
@@ -112,11 +117,13 @@ def _encoder_layer(g: _GraphBuilder, x: str, mask: str, cfg: BertConfig, prefix:
                         cfg.layer_norm_eps)
 
     inter = g.linear(attn, f"{prefix}.intermediate.dense", h, cfg.ffn)
-    # GELU as torch exports it: x * 0.5 * (1 + erf(x / sqrt(2)))
-    erf = g.op("Erf", [g.op("Div", [inter, g.const(math.sqrt(2.0), np.float32)], prefix)], prefix)
-    gelu = g.op("Mul", [g.op("Mul", [inter, g.op("Add", [erf, g.const(1.0, np.float32)], prefix)], prefix),
-                        g.const(0.5, np.float32)], prefix)
-    out = g.linear(gelu, f"{prefix}.output.dense", cfg.ffn, h)
+    if cfg.activation == "relu":
+        act = g.op("Relu", [inter], prefix)
+    else:  # GELU as torch exports it: x * 0.5 * (1 + erf(x / sqrt(2)))
+        erf = g.op("Erf", [g.op("Div", [inter, g.const(math.sqrt(2.0), np.float32)], prefix)], prefix)
+        act = g.op("Mul", [g.op("Mul", [inter, g.op("Add", [erf, g.const(1.0, np.float32)], prefix)], prefix),
+                           g.const(0.5, np.float32)], prefix)
+    out = g.linear(act, f"{prefix}.output.dense", cfg.ffn, h)
     return g.layer_norm(g.op("Add", [out, attn], prefix), f"{prefix}.output.LayerNorm", h, cfg.layer_norm_eps)
 
 
