@@ -79,9 +79,9 @@ def _arg_shapes(func) -> list[list[int]]:
 
 
 def test_training_step_gradients_read_operands_in_place(tiny_layer):
-    step = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, tuning_logs=None)
+    step = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, tuning_logs=None, fusion="tvm")
     kernels = call_sites(step.mod, "train_step")
-    # the six weight matrices' gradients (Q, K, V, output, FFN up, FFN down) are matmul_tn over all 16 rows
+    # stock fusion: the six weight matrices' gradients (Q, K, V, output, FFN up, FFN down) are matmul_tn over all 16 rows
     tn = {k: n for k, n in kernels.items() if "matmul_tn" in k}
     assert sum(tn.values()) == 6 and all(_arg_shapes(step.mod[k])[0][0] == 16 for k in tn)
     # no batched weight gradient summed afterwards: the only collapse_sum left are bias gradients (1-D)

@@ -182,7 +182,7 @@ def test_paper_fused_training_step_matches_torch_autograd(tiny_layer):
     from test_train import _ours, _rel_err, _torch_layer, _torch_layer_loss
 
     step = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, tuning_logs=None, fusion="paper")
-    stock = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, tuning_logs=None)
+    stock = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, tuning_logs=None, fusion="tvm")
     feeds = tvmdm.random_inputs(step, batch=2, seq=8)
     batch = dict(feeds, labels=np.random.default_rng(1).standard_normal(step.target_spec.shape).astype(np.float32))
     loss, grads = step.gradients(batch)

@@ -206,7 +206,7 @@ def test_demo_reports_the_bf16_model(capsys):
 def test_shipped_bf16_log_covers_the_bf16_only_kernels():
     from tvmdm.cli import resolve_shapes
 
-    compiled = tvmdm.compile(tvmdm.default_model("bert-base-layer"), precision="bf16",
+    compiled = tvmdm.compile(tvmdm.default_model("bert-base-layer"), precision="bf16", fusion="tvm",
                              shapes=resolve_shapes("bert-base-layer", None, 8, 128))
     hand = {k for k in compiled.kernels if "bf16_gemm" in k}
     assert hand and not hand & set(compiled.tuned_kernels)  # the micro-kernel needs no log
@@ -219,7 +219,7 @@ def test_shipped_bf16_log_covers_the_bf16_only_kernels():
 @pytest.fixture(scope="module")
 def bf16_layer_step(tiny_layer):
     return tvmdm.compile_train_step(tiny_layer, loss="mse", optimizer=tvmdm.AdamW(lr=1e-2), batch=2, seq=8,
-                                    tuning_logs=None, precision="bf16")
+                                    tuning_logs=None, precision="bf16", fusion="tvm")
 
 
 def test_bf16_training_step_gradients_close_to_torch_fp32(tiny_layer, bf16_layer_step):

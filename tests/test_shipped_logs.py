@@ -29,8 +29,8 @@ def untuned(compiled, names) -> list[str]:
     return sorted(set(names) - set(compiled.tuned_kernels) - set(compiled.hand_kernels))
 
 
-def test_every_kernel_of_the_base_layer_is_tuned():
-    compiled = tvmdm.compile(tvmdm.default_model("bert-base-layer"), shapes=SHAPES)
+def test_every_kernel_of_the_base_layer_is_tuned():  # stock fusion (the paper level: the test below)
+    compiled = tvmdm.compile(tvmdm.default_model("bert-base-layer"), shapes=SHAPES, fusion="tvm")
     assert untuned(compiled, compiled.kernels) == []
     result = compiled.check(tvmdm.random_inputs(compiled, batch=8, seq=128))
     assert result.ok, str(result)
@@ -59,7 +59,7 @@ def test_log_applies_to_a_users_hf_export(tmp_path):
     torch.onnx.export(WithMask(), (torch.randn(8, 128, 768), torch.ones(8, 128, dtype=torch.long)), path,
                       input_names=["hidden_states", "attention_mask"], output_names=["output"], opset_version=17,
                       dynamo=False)
-    compiled = tvmdm.compile(path, shapes=SHAPES)
+    compiled = tvmdm.compile(path, shapes=SHAPES, fusion="tvm")  # the stock log's kernels, reached from an export
     left = untuned(compiled, compiled.kernels)
     # Every contraction, softmax and LayerNorm kernel reuses the records; only export-specific glue differs.
     assert all("matmul" not in k and k not in ("softmax", "layer_norm") for k in left), left

@@ -1,7 +1,7 @@
 """tvmdm: BERT training and inference on Apache TVM, made fast by cutting data movement.
 
 Public API:
-    compile(model, *, target="llvm", shapes=None, tuning_logs="shipped", fusion="tvm", layout="bshd",
+    compile(model, *, target="llvm", shapes=None, tuning_logs="shipped", fusion="paper", layout="bshd",
             precision="fp32" | "bf16" (CPU, AVX512-BF16) | "fp16" (CUDA)) -> Compiled
     load(path) -> runner of an exported artifact (no onnx needed)
     analyze(model_or_compiled, fusion=, shapes=, measure=) -> Report: per-kernel flops / bytes / class

@@ -117,14 +117,14 @@ class Compiled(ModelRunner):
         return export_artifact(self, path)
 
 
-def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="shipped", fusion: str = "tvm",
+def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="shipped", fusion: str = "paper",
             layout: str = "bshd", precision: str = "fp32", params: dict | None = None, **options) -> Compiled:
     """Compile an ONNX model (path or ModelProto) or a Relax IRModule for ``target``.
 
     IRModule: ``main`` takes the inputs then the weights; give the weights as ``params`` (name -> array) or
     keep them in main's "params" attribute (``from_onnx(keep_params_in_input=True)``).
     shapes: input name -> concrete shape to bind; dims left unbound stay symbolic (one module, many shapes).
-    fusion: "paper" (the paper's fusion rules, then stock FuseOps), "tvm" (stock FuseOps) or "none".
+    fusion: "paper" (default: the paper's fusion rules, then stock FuseOps), "tvm" (stock FuseOps) or "none".
     layout: the attention's Q/K/V/context layout under fusion="paper": "bshd" (read and written where the
     projections put them, no transposes) or "bhsd" (head-major copies, as the ONNX graph writes).
     precision: "fp32"; "bf16" (CPU): the contractions read bf16 operands with fp32 accumulation

@@ -4,8 +4,8 @@ Relax's Gradient recomputes, in the backward pass, what lies between ``relax.op.
 ``end_checkpoint`` instead of keeping it alive from the forward pass. This pass finds the regions in an
 imported BERT graph and wraps them:
 
-  layer input  = a value three or more MatMuls read as their left operand (Q, K, V), or the model input that
-                 plays that role;
+  layer input  = a value three or more MatMuls read as their left operand (Q, K, V; or one MatMul of three
+                 concatenated weights, the paper level's merged QKV), or the model input that plays that role;
   "attention"  = from a layer input to the next LayerNorm (self-attention, output dense, residual, LayerNorm);
   "layer"      = from a layer input to the second LayerNorm after it (the whole encoder layer).
 
@@ -37,10 +37,15 @@ def find_regions(func: relax.Function, mode: str) -> list[tuple[int, int]]:
         raise NotImplementedError("checkpointing expects main to be one dataflow block")
     bindings = list(func.body.blocks[0].bindings)
     defined_at = {b.var: i for i, b in enumerate(bindings)}
+    values = {b.var: b.value for b in bindings}
     matmul_reads: dict = {}
     for i, b in enumerate(bindings):
         if call_op(b.value) == "relax.matmul":
-            matmul_reads.setdefault(b.value.args[0], []).append(i)
+            # a merged QKV contraction (fusion="paper") reads the layer input once for its concatenated weights
+            weight = values.get(b.value.args[1])
+            merged = len(weight.args[0].fields) if call_op(weight) == "relax.concat" and \
+                isinstance(weight.args[0], relax.Tuple) else 1
+            matmul_reads.setdefault(b.value.args[0], []).extend([i] * merged)
     norms = [i for i, b in enumerate(bindings) if call_op(b.value) == "relax.nn.layer_norm"]
     regions = []
     for var, readers in matmul_reads.items():
