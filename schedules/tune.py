@@ -17,11 +17,12 @@ import sys
 import time
 
 from schedules.database import RECORDS, WORKLOADS, locked
+from tvmdm.fuse import DEFAULT_FUSION, FUSION_LEVELS
 
 _INTERRUPTED: list[int] = []  # signals received by `tvmdm tune` (see _interrupt)
 
 
-def extract_tasks(model, target, shapes=None, fusion="paper", train: bool = False, only=None, layout="bshd",
+def extract_tasks(model, target, shapes=None, fusion=DEFAULT_FUSION, train: bool = False, only=None, layout="bshd",
                   precision: str = "fp32"):
     """(tuning tasks, the compile target) for ``model`` as tvmdm.compile (or, with ``train``,
     tvmdm.compile_train_step with an MSE loss) would build it. ``only``: keep the tasks whose name contains
@@ -158,7 +159,7 @@ def make_runner(rpc_tracker: str | None, rpc_key: str | None, timeout_s: int = 3
         number=3, repeat=1, min_repeat_ms=50, enable_cpu_cache_flush=False))
 
 
-def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusion="paper", per_iter: int = 8,
+def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusion=DEFAULT_FUSION, per_iter: int = 8,
          rpc_tracker=None, rpc_key=None, seed: int | None = 0, stream=None, name: str | None = None,
          train: bool = False, only=None, layout: str = "bshd", precision: str = "fp32") -> dict:
     """Tune until the log holds ``trials`` records for the model's tasks. Returns a summary dict."""
@@ -297,7 +298,7 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
                         help="bind an input shape")
     parser.add_argument("--batch", type=int, help="bind every (batch, seq) input's batch dim")
     parser.add_argument("--seq", type=int, help="bind every (batch, seq) input's seq dim")
-    parser.add_argument("--fusion", default="paper", choices=["tvm", "none", "paper"])
+    parser.add_argument("--fusion", default=DEFAULT_FUSION, choices=list(FUSION_LEVELS))
     parser.add_argument("--layout", default="bshd", help="attention layout under --fusion paper (see tvmdm.compile)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                         help="bf16: tune the kernels around the bf16 contractions (those have their own schedule)")

@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from tvmdm.errors import TvmdmError
+from tvmdm.fuse import DEFAULT_FUSION
 
 Runner = Callable[[dict], list]
 
@@ -199,7 +200,7 @@ def _runner_of(system) -> Runner:
     return system.run if hasattr(system, "run") else system
 
 
-def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fusion_levels=("paper",),
+def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fusion_levels=(DEFAULT_FUSION,),
                     precisions=("fp32",), untuned: bool = False, ort_optimized: bool = True, torch: bool = True,
                     torch_compile: bool = True, min_runs: int = 5, max_seconds: float = 30.0,
                     tuning_logs="shipped", kernels: bool = False, out=print) -> dict:
@@ -257,7 +258,7 @@ def format_table(timings: list[Timing], ratio: str = "vs_onnxruntime", label: st
 
 
 def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, target: str = "llvm",
-              min_runs: int = 5, max_seconds: float = 30.0, untuned: bool = False, fusion_levels=("paper",),
+              min_runs: int = 5, max_seconds: float = 30.0, untuned: bool = False, fusion_levels=(DEFAULT_FUSION,),
               precisions=("fp32",), ort_optimized: bool = True, torch: bool = True, torch_compile: bool = True, kernels: bool = True,
               scan: dict | None = None, json_path: str | None = None, plot_path: str | None = None,
               tuning_logs="shipped", out=print) -> dict:

@@ -13,6 +13,7 @@ import numpy as np
 
 from tvmdm.bench import format_table, matmul_flops, summarize, time_until_stable, write_result
 from tvmdm.errors import TvmdmError
+from tvmdm.fuse import DEFAULT_FUSION
 
 LR = 1e-4
 
@@ -44,7 +45,7 @@ def _torch_step(ref, feeds: dict, target: np.ndarray, lr: float, autocast_bf16: 
 
 def training_systems(model: str, proto, batch: int, seq: int, *, target: str = "llvm", torch: bool = True,
                      torch_compile: bool = True, tuning_logs="shipped", lr: float = LR, precisions=("fp32",),
-                     fusions=("paper",)):
+                     fusions=(DEFAULT_FUSION,)):
     """name -> step() callable returning the loss, plus skipped systems with reasons, plus the TrainStep.
     Each precision besides fp32 adds tvmdm[p] and (bf16) torch-eager[bf16] (autocast); each fusion level after
     the first (which "tvmdm" uses) adds tvmdm[fusion=level]."""
@@ -107,7 +108,7 @@ def check_training_agreement(systems: dict, rtol: float = 1e-3, reduced_rtol: fl
 def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = None, target: str = "llvm",
                     min_runs: int = 5, max_seconds: float = 30.0, torch: bool = True, torch_compile: bool = True,
                     json_path: str | None = None, plot_path: str | None = None, tuning_logs="shipped",
-                    precisions=("fp32",), fusions=("paper",), out=print) -> dict:
+                    precisions=("fp32",), fusions=(DEFAULT_FUSION,), out=print) -> dict:
     from tvmdm import models
     from tvmdm.bench import _load
     from tvmdm.cli import resolve_shapes

@@ -117,7 +117,7 @@ class Compiled(ModelRunner):
         return export_artifact(self, path)
 
 
-def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="shipped", fusion: str = "paper",
+def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="shipped", fusion: str = fuse_stage.DEFAULT_FUSION,
             layout: str = "bshd", precision: str = "fp32", params: dict | None = None, **options) -> Compiled:
     """Compile an ONNX model (path or ModelProto) or a Relax IRModule for ``target``.
 

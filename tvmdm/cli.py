@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from tvmdm.errors import TvmdmError
-from tvmdm.fuse import FUSION_LEVELS
+from tvmdm.fuse import DEFAULT_FUSION, FUSION_LEVELS
 from tvmdm.precision import PRECISIONS
 
 ARTIFACT_SUFFIX = ".tvmdm"
@@ -198,7 +198,8 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="llvm", help="llvm (this CPU), cuda or cuda:sm_80 (default: llvm)")
     p.add_argument("--shape", action="append", type=_parse_shape, metavar="NAME=D0xD1",
                    help="bind an input's shape (repeatable); unbound dims stay symbolic")
-    p.add_argument("--fusion", default="paper", choices=list(FUSION_LEVELS), help="fusion level (default: paper)")
+    p.add_argument("--fusion", default=DEFAULT_FUSION, choices=list(FUSION_LEVELS),
+                   help=f"fusion level (default: {DEFAULT_FUSION})")
     p.add_argument("--layout", default="bshd", help="attention layout under --fusion paper (default: bshd)")
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                    help="bf16: weight contractions in bf16 with fp32 accumulation (needs static shapes)")
@@ -237,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="batch (default: the embedded model's)")
     p.add_argument("--seq", type=int, help="sequence length (default: the embedded model's)")
     p.add_argument("--target", default="llvm", help="llvm, or cuda on a machine with a GPU")
-    p.add_argument("--fusion", default="paper", help="comma-separated fusion levels to time (first is 'tvmdm')")
+    p.add_argument("--fusion", default=DEFAULT_FUSION, help="comma-separated fusion levels to time (first is 'tvmdm')")
     p.add_argument("--untuned", action="store_true", help="also time tvmdm without tuning logs")
     p.add_argument("--precision", default="fp32", help="comma-separated precisions; each besides fp32 adds a "
                    "system (tvmdm[bf16]: bf16 contractions, checked to 1e-2 relative error)")

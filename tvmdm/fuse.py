@@ -30,6 +30,7 @@ from tvmdm.backward_kernels import BACKWARD_KERNELS, backward_patterns, recomput
 from tvmdm.precision import precision_passes
 
 FUSION_LEVELS = ("none", "tvm", "paper")
+DEFAULT_FUSION = "paper"  # of compile, compile_train_step, the CLI, bench and the tuner
 # Attention layouts (graph_rewrites.absorb_transposes): "bshd" reads Q/K/V and writes the context where the
 # projections want them (no transposes); "bhsd" makes head-major copies (the ONNX graph's transposes);
 # "qkv=bshd,ctx=bhsd" and the like mix them, per tensor group, as the layout search may choose.

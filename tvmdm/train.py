@@ -300,7 +300,7 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
 
 def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None = None, target="llvm",
                        shapes: dict | None = None, batch: int | None = None, seq: int | None = None,
-                       checkpoint=False, dropout: float = 0.0, seed: int = 0, fusion: str = "paper",
+                       checkpoint=False, dropout: float = 0.0, seed: int = 0, fusion: str = fuse_stage.DEFAULT_FUSION,
                        layout: str = "bshd", precision: str = "fp32", loss_scale=None,
                        tuning_logs="shipped") -> TrainStep:
     """Compile a training step for an ONNX model (path or ModelProto): an encoder layer, a full BERT, or a
