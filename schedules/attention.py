@@ -107,15 +107,25 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     for name in names[1:]:
         block = sch.get_sblock(name)
         loops = sch.get_loops(block)
-        if name.endswith("_rf"):  # partial max/sum: (lane, row, step) -> (row, step, lane), lanes vectorized
-            lane, row_in, step = loops[-3:]
-            sch.reorder(row_in, step, lane)
-            sch.vectorize(lane)
-        elif name in partial:  # the lanes combined: (lane, row) -> (row, lane)
-            sch.reorder(loops[-1], loops[-2])
+        if name.endswith("_rf") or name in partial:
+            # partial max/sum (lane, row, step) -> (row, step, lane), lanes vectorized; their combination
+            # (lane, row) -> (row, lane). Found under the row tile, not by position from the end: compute_at
+            # drops loops of extent 1 (a row of exactly ``lanes`` keys has no step loop, AVX2's 8 lanes on the
+            # tiny layer's 8 keys; a row tile of 1 has no row loop).
+            lane, *rest = _loops_under(sch, loops, row_tile)
+            if rest:
+                sch.reorder(*rest, lane)
+            if name.endswith("_rf"):
+                sch.vectorize(lane)
         elif int(sch.get(loops[-1]).extent) % lanes == 0:
             sch.vectorize(sch.split(loops[-1], [None, lanes])[1])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _loops_under(sch, loops, outer) -> list:
+    """The loops of ``loops`` (a block's, outermost first) nested inside loop ``outer``."""
+    at = next(i for i, loop in enumerate(loops) if sch.get(loop).same_as(sch.get(outer)))
+    return list(loops[at + 1:])
 
 
 def _transpose_in_tiles(sch, tile, position: int) -> None:

@@ -28,8 +28,12 @@ def _normalized(feature: str) -> str:
     return feature.replace("_", "").replace("-", "").replace(".", "").lower()
 
 
-def host_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
-    """The CPU flags the kernel reports (normalized names), or None where there is no /proc/cpuinfo."""
+def host_flags(cpuinfo: str | None = None) -> set[str] | None:
+    """The CPU flags the kernel reports (normalized names), or None where there is no /proc/cpuinfo.
+
+    ``TVMDM_CPUINFO`` names another file to read them from: code for a machine of the same CPU model with
+    fewer features (a VM hiding AVX-512), e.g. the test suite run as on such a machine (tests/cpu_kinds)."""
+    cpuinfo = cpuinfo or os.environ.get("TVMDM_CPUINFO") or "/proc/cpuinfo"
     try:
         with open(cpuinfo) as f:
             for line in f:
@@ -83,16 +87,32 @@ def extra_host_features(cpu: str, flags: set[str] | None) -> list[str]:
     return sorted(f for f in _known_vector_features() if f not in assumed and _normalized(f) in flags)
 
 
-def host_llvm_target(**extra) -> dict:
-    """The llvm target dict for this machine: its CPU, with the features it lacks switched off and the ones
-    LLVM does not know it has switched on."""
-    cpu = host_cpu()
+def llvm_target(cpu: str, flags: set[str] | None, **extra) -> dict:
+    """The llvm target dict for a CPU LLVM calls ``cpu`` whose kernel reports ``flags`` (host_flags' form): the
+    model's vector features the flags lack switched off, the ones they list but the model lacks switched on.
+    Tests build the other CPU kinds' targets with it (tests/cpu_kinds.py)."""
     target = {"kind": "llvm", "mcpu": cpu, **extra}
-    flags = host_flags()
     mattr = [f"-{f}" for f in missing_host_features(cpu, flags)] + [f"+{f}" for f in extra_host_features(cpu, flags)]
     if mattr:
         target["mattr"] = mattr
     return target
+
+
+def host_llvm_target(**extra) -> dict:
+    """The llvm target dict for this machine (llvm_target of its CPU and /proc/cpuinfo's flags)."""
+    return llvm_target(host_cpu(), host_flags(), **extra)
+
+
+def vector_features(target: tvm.target.Target) -> set[str]:
+    """The vector-family features (host_flags' spelling) code built for an llvm ``target`` may use."""
+    has = tvm.target.codegen.target_has_features
+    return {_normalized(f) for f in _known_vector_features() if has(f, target)}
+
+
+def runs_here(target: tvm.target.Target) -> list[str]:
+    """The vector features code built for ``target`` may use that this machine lacks ([]: it runs here)."""
+    flags = host_flags()
+    return [] if flags is None else sorted(vector_features(target) - flags)
 
 
 def num_cores() -> int:
