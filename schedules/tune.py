@@ -17,6 +17,7 @@ import sys
 import time
 
 from schedules.database import RECORDS, WORKLOADS, locked
+from schedules.scheduler import STOPPED
 from tvmdm.fuse import DEFAULT_FUSION, FUSION_LEVELS
 
 _INTERRUPTED: list[int] = []  # signals received by `tvmdm tune` (see _interrupt)
@@ -121,14 +122,15 @@ def _progress_callback(progress: Progress):
     class ProgressCallback(PyMeasureCallback):
         def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
             secs = []
-            for result in runner_results:
+            for built, result in zip(builder_results, runner_results):
+                if built.error_msg == STOPPED:  # never built: not a trial
+                    continue
                 if result.error_msg is None and result.run_secs:
                     secs.append(sum(float(s) for s in result.run_secs) / len(result.run_secs))
                 else:
                     secs.append(float("inf"))
-            progress.update(task_id, secs)
-            if _INTERRUPTED:  # stop here, after this batch's records are committed (see _interrupt)
-                raise KeyboardInterrupt(f"signal {_INTERRUPTED[0]}")
+            if secs:
+                progress.update(task_id, secs)
 
     return ProgressCallback()
 
@@ -161,14 +163,28 @@ def make_runner(rpc_tracker: str | None, rpc_key: str | None, timeout_s: int = 3
 
 def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusion=DEFAULT_FUSION, per_iter: int = 8,
          rpc_tracker=None, rpc_key=None, seed: int | None = 0, stream=None, name: str | None = None,
-         train: bool = False, only=None, layout: str = "bshd", precision: str = "fp32") -> dict:
-    """Tune until the log holds ``trials`` records for the model's tasks. Returns a summary dict."""
+         train: bool = False, only=None, layout: str = "bshd", precision: str = "fp32",
+         seconds: float | None = None) -> dict:
+    """Tune until the log holds ``trials`` records for the model's tasks, or until ``seconds`` have passed or
+    a signal came (see _interrupt): every batch is in the log as soon as it is measured (schedules.scheduler),
+    and a stop builds nothing more. Returns a summary dict ("stopped": why it ended early, or None)."""
     from tvm.s_tir import meta_schedule as ms
 
+    from schedules.scheduler import JoinEachBatch, StoppableBuilder, measure_callbacks
     from tvmdm import compat
     from tvmdm.target import num_cores
 
     stream = stream or sys.stderr
+    deadline = None if seconds is None else time.perf_counter() + seconds
+
+    def stopped() -> str | None:
+        if _INTERRUPTED:
+            return f"signal {_INTERRUPTED[0]}"
+        # a deadline ends the run once something is measured: one shorter than the design spaces' generation
+        # and the first search would otherwise throw their time away and leave no record
+        late = deadline is not None and time.perf_counter() > deadline and progress.done > 0
+        return f"deadline of {seconds:g} s" if late else None
+
     # The tuner itself imports the tensor intrinsics too (~27 s of TVMScript parsing without this).
     compat.speed_up_tvmscript_parsing()
     tasks, tvm_target = extract_tasks(model, target, shapes, fusion, train, only, layout, precision)
@@ -187,18 +203,23 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
             tasks, logs, strategy="evolutionary", num_threads=num_cores(), seed=seed)
         contexts, weights = _drop_unschedulable(contexts, weights, stream, seed)
         database = ms.database.JSONDatabase(work_dir=logs)
-        callbacks = ms.measure_callback.MeasureCallback.create("default") + [_progress_callback(progress)]
+        stop = lambda: stopped() is not None  # noqa: E731
         try:
             ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=logs,
                           max_trials_global=remaining, num_trials_per_iter=per_iter, database=database,
-                          builder=make_builder(), runner=make_runner(rpc_tracker, rpc_key), cost_model="xgb",
-                          measure_callbacks=callbacks)
-        finally:  # an interrupted run's trials and time count too
+                          builder=StoppableBuilder(make_builder(), stop, num_cores()),
+                          runner=make_runner(rpc_tracker, rpc_key), cost_model="xgb",
+                          measure_callbacks=measure_callbacks(_progress_callback(progress)),
+                          task_scheduler=JoinEachBatch(stop))
+        finally:  # a stopped run's trials and time count too
             stream.write("\n" + progress.summary() + "\n")
             _write_meta(logs, name or model, tvm_target, shapes, fusion, time.perf_counter() - progress.start,
                         "training step" if train else "inference", precision)
+        why = stopped()
+        if why:
+            stream.write(f"stopped ({why}): {progress.done} trials measured, all in {logs}\n")
         return {"tasks": names, "trials_run": progress.done, "trials_in_log": sum(have) + progress.done,
-                "best_ms": dict(zip(names, [b * 1e3 for b in progress.best]))}
+                "best_ms": dict(zip(names, [b * 1e3 for b in progress.best])), "stopped": why}
 
 
 def _without_consumer_fusion(ctx, seed):
@@ -306,6 +327,8 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
                         "MSE loss, backward, AdamW) instead of inference")
     parser.add_argument("--only", action="append", metavar="SUBSTRING", help="tune only the tasks whose name "
                         "contains this (repeatable), e.g. --only matmul")
+    parser.add_argument("--seconds", type=float, help="stop after this many seconds (every measured batch is "
+                        "kept; rerun to continue)")
     parser.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on RPC servers through this tracker")
     parser.add_argument("--rpc-key", help="device key the RPC servers registered with")
     return parser
@@ -313,8 +336,8 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
 
 def _interrupt(signum, frame):
     # Only a flag: raised from here, the exception could land in a Python callback that C++ calls where it
-    # cannot propagate (the XGBoost cost model's) and the process dies in std::terminate. The measure
-    # callback raises at the end of the batch instead; it leaves tune_tasks re-typed (RuntimeError).
+    # cannot propagate (the XGBoost cost model's) and the process dies in std::terminate. The builder stops
+    # at its next chunk and the scheduler picks no next task (schedules.scheduler); tune_tasks then returns.
     _INTERRUPTED.append(signum)
 
 
@@ -328,11 +351,12 @@ def main(argv=None, args=None) -> int:
     try:
         tune(_model_arg(args.model), logs=args.logs, target=args.target, trials=args.trials, shapes=shapes,
              fusion=args.fusion, per_iter=args.per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key,
-             name=args.model, train=args.train, only=args.only, layout=args.layout, precision=args.precision)
+             name=args.model, train=args.train, only=args.only, layout=args.layout, precision=args.precision,
+             seconds=args.seconds)
     except (KeyboardInterrupt, Exception) as err:  # noqa: BLE001 - re-raised unless a signal caused it
         if not isinstance(err, KeyboardInterrupt) and not _INTERRUPTED:
             raise
-        # Every joined batch is already in the log; only the batches in flight are lost.
+    if _INTERRUPTED:  # every measured batch is already in the log
         print(f"\ninterrupted: the records measured so far are in {args.logs}; rerun the same command to "
               "continue", file=sys.stderr)
         return 130
