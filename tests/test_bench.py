@@ -130,3 +130,54 @@ def test_train_bench_refuses_a_step_that_does_not_train(monkeypatch):
     monkeypatch.setattr(train.TrainStep, "step", lambda self, batch: real(self, batch) * 0 + 1.0)
     with pytest.raises(AssertionError, match="torch-eager disagrees with tvmdm at training step 1"):
         run_train_bench("bert-tiny-layer", min_runs=1, max_seconds=1, torch_compile=False, out=lambda line: None)
+
+
+def test_reduced_precision_rows_are_held_to_their_documented_bound():
+    # `bench --target cuda --precision fp32,fp16` raised on its fp16 row: only "bf16" names got the loose bound
+    from tvmdm.bench import check_agreement, reduced_precision_bounds
+    from tvmdm.precision import BF16_MAX_REL_ERR, FP16_MAX_REL_ERR
+
+    reference = [np.linspace(-1, 1, 64, dtype=np.float32)]
+    off_by = lambda rel: (lambda feeds: [reference[0] + rel])  # noqa: E731 - max |ref| is 1
+    systems = {"tvmdm[fp16]": off_by(FP16_MAX_REL_ERR / 2), "torch-cuda[fp16]": off_by(FP16_MAX_REL_ERR / 2),
+               "tvmdm[bf16]": off_by(BF16_MAX_REL_ERR / 2), "tvmdm": off_by(1e-5)}
+    bounds = reduced_precision_bounds(systems)
+    assert bounds == {"tvmdm[fp16]": FP16_MAX_REL_ERR, "torch-cuda[fp16]": FP16_MAX_REL_ERR,
+                      "tvmdm[bf16]": BF16_MAX_REL_ERR}
+    assert set(check_agreement(systems, {}, reference, relative=bounds)) == set(systems)
+    with pytest.raises(AssertionError, match=r"tvmdm\[fp16\] disagrees"):
+        check_agreement({"tvmdm[fp16]": off_by(2 * FP16_MAX_REL_ERR)}, {}, reference, relative=bounds)
+    with pytest.raises(AssertionError, match="tvmdm disagrees"):  # fp32 rows keep the strict tolerance
+        check_agreement({"tvmdm": off_by(FP16_MAX_REL_ERR)}, {}, reference, relative=bounds)
+
+
+def test_torch_reference_in_reduced_precision_rounds_within_its_bound():
+    # the GPU session's torch-cuda[fp16] / [tf32] rows run through the same precision switch; here on the CPU
+    pytest.importorskip("torch")
+    from tvmdm.precision import BF16_MAX_REL_ERR
+    from tvmdm.torch_reference import TorchReference
+
+    proto = tvmdm.default_model("bert-tiny-layer")
+    feeds = tvmdm.random_inputs(tvmdm.compile(proto, tuning_logs=None), batch=2, seq=8)
+    exact = TorchReference("bert-tiny-layer", proto).run(feeds)[0]
+    rounded = TorchReference("bert-tiny-layer", proto, precision="bf16").run(feeds)[0]
+    rel = float(np.abs(rounded - exact).max() / np.abs(exact).max())
+    assert 0 < rel <= BF16_MAX_REL_ERR  # > 0: autocast really ran the matmuls in bf16
+    np.testing.assert_array_equal(TorchReference("bert-tiny-layer", proto, precision="tf32").run(feeds)[0], exact)
+    with pytest.raises(ValueError, match="precision must be"):
+        TorchReference("bert-tiny-layer", proto, precision="int8")
+
+
+def test_torch_amp_step_with_grad_scaler_runs_and_matches_fp32():
+    # the GPU session's torch-cuda[fp16] training row (autocast fp16 + GradScaler), here on the CPU
+    pytest.importorskip("torch")
+    from tvmdm.bench_train import _torch_step
+    from tvmdm.torch_reference import TorchReference
+
+    proto = tvmdm.default_model("bert-tiny-layer")
+    feeds = tvmdm.random_inputs(tvmdm.compile(proto, tuning_logs=None), batch=2, seq=8)
+    target = np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)
+    exact = _torch_step(TorchReference("bert-tiny-layer", proto), feeds, target, 1e-3)
+    amp = _torch_step(TorchReference("bert-tiny-layer", proto), feeds, target, 1e-3, autocast="fp16")
+    for _ in range(2):
+        assert amp() == pytest.approx(exact(), rel=1e-2)

@@ -171,8 +171,13 @@ def _torch_systems(model_name, proto, threads, torch_compile: bool, gpu: bool) -
     if torch_compile:
         systems["torch-compile"] = TorchReference(model_name, proto).compile().run
     if gpu:
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():  # fp32 strict, TF32 matmuls, fp16 autocast, and inductor on fp32
             systems["torch-cuda"] = TorchReference(model_name, proto, device="cuda").run
+            for precision in ("tf32", "fp16"):
+                systems[f"torch-cuda[{precision}]"] = TorchReference(model_name, proto, device="cuda",
+                                                                     precision=precision).run
+            if torch_compile:
+                systems["torch-cuda-compile"] = TorchReference(model_name, proto, device="cuda").compile().run
         else:
             skipped["torch-cuda"] = "torch sees no CUDA device"
     return systems, skipped
@@ -181,7 +186,8 @@ def _torch_systems(model_name, proto, threads, torch_compile: bool, gpu: bool) -
 def check_agreement(systems: dict, feeds: dict, reference: list, atol: float = 1e-3, rtol: float = 1e-3,
                     relative: dict | None = None) -> dict:
     """Max abs error of every system vs the reference outputs; AssertionError naming the first that disagrees.
-    ``relative``: system -> allowed max relative error (max |err| / max |ref|) instead of atol/rtol (bf16)."""
+    ``relative``: system -> allowed max relative error (max |err| / max |ref|) instead of atol/rtol (the
+    reduced-precision systems: tvmdm.precision.MAX_REL_ERR)."""
     from tvmdm.build import compare_outputs
 
     names = [f"output_{i}" for i in range(len(reference))]
@@ -194,6 +200,13 @@ def check_agreement(systems: dict, feeds: dict, reference: list, atol: float = 1
             raise AssertionError(f"{name} disagrees with onnxruntime before timing:\n{check}")
         errors[name] = check.max_abs_err
     return errors
+
+
+def reduced_precision_bounds(names) -> dict:
+    """system -> its documented max relative error, for the systems whose names say bf16 or fp16."""
+    from tvmdm.precision import MAX_REL_ERR, reduced_precision
+
+    return {name: MAX_REL_ERR[reduced_precision(name)] for name in names if reduced_precision(name)}
 
 
 def _runner_of(system) -> Runner:
@@ -221,10 +234,7 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
     systems = {**ort_systems, **{k: _runner_of(v) for k, v in compiled.items()}, **torch_systems}
 
     reference = systems["onnxruntime"](feeds)
-    from tvmdm.precision import BF16_MAX_REL_ERR
-
-    agreement = check_agreement(systems, feeds, reference,
-                                relative={name: BF16_MAX_REL_ERR for name in compiled if "bf16" in name})
+    agreement = check_agreement(systems, feeds, reference, relative=reduced_precision_bounds(systems))
     flops = matmul_flops(proto, shapes)
     timings = []
     for name, run in systems.items():

@@ -14,13 +14,15 @@ import numpy as np
 from tvmdm.bench import format_table, matmul_flops, summarize, time_until_stable, write_result
 from tvmdm.errors import TvmdmError
 from tvmdm.fuse import DEFAULT_FUSION
+from tvmdm.precision import reduced_precision
 
 LR = 1e-4
 
 
-def _torch_step(ref, feeds: dict, target: np.ndarray, lr: float, autocast_bf16: bool = False):
+def _torch_step(ref, feeds: dict, target: np.ndarray, lr: float, autocast: str | None = None):
     """A PyTorch training step on ``ref``'s module (an HF twin of the ONNX model): returns step() -> loss.
-    ``autocast_bf16``: forward and loss under torch.autocast(bfloat16) (PyTorch's mixed precision on CPU)."""
+    ``autocast``: "bf16" or "fp16": forward and loss under torch.autocast (PyTorch's mixed precision; fp16 with
+    a GradScaler, as AMP is used on CUDA)."""
     import contextlib
 
     import torch
@@ -28,16 +30,22 @@ def _torch_step(ref, feeds: dict, target: np.ndarray, lr: float, autocast_bf16: 
     ref.module.train()
     optimizer = torch.optim.AdamW(ref.module.parameters(), lr=lr)
     inputs, target_t = ref.torch_inputs(feeds), torch.from_numpy(target).to(ref.device)
-    autocast = (lambda: torch.autocast(ref.device.type, dtype=torch.bfloat16)) if autocast_bf16 else \
-        contextlib.nullcontext
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast)
+    context = (lambda: torch.autocast(ref.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+    scaler = torch.amp.GradScaler(ref.device.type) if autocast == "fp16" else None
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        with autocast():
+        with context():
             out = ref.forward(inputs)
             loss = torch.nn.functional.mse_loss((out[0] if isinstance(out, tuple) else out).float(), target_t)
-        loss.backward()
-        optimizer.step()
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
         return loss.item()  # a host read: the step has finished, as tvmdm's returns its loss
 
     return step
@@ -85,9 +93,16 @@ def training_systems(model: str, proto, batch: int, seq: int, *, target: str = "
     torch_mod.set_num_threads(num_cores())
     systems["torch-eager"] = _torch_step(TorchReference(model, proto), feeds, labels, lr)
     if "bf16" in reduced:
-        systems["torch-eager[bf16]"] = _torch_step(TorchReference(model, proto), feeds, labels, lr, autocast_bf16=True)
+        systems["torch-eager[bf16]"] = _torch_step(TorchReference(model, proto), feeds, labels, lr, autocast="bf16")
     if torch_compile:
         systems["torch-compile"] = _torch_step(TorchReference(model, proto).compile(), feeds, labels, lr)
+    if target.startswith("cuda"):  # the step on the GPU too: fp32, and AMP (fp16 autocast + GradScaler)
+        if torch_mod.cuda.is_available():
+            systems["torch-cuda"] = _torch_step(TorchReference(model, proto, device="cuda"), feeds, labels, lr)
+            systems["torch-cuda[fp16]"] = _torch_step(TorchReference(model, proto, device="cuda"), feeds, labels,
+                                                      lr, autocast="fp16")
+        else:
+            skipped["torch-cuda"] = "torch sees no CUDA device"
     return systems, skipped, step, feeds
 
 
@@ -97,7 +112,7 @@ def check_training_agreement(systems: dict, rtol: float = 1e-3, reduced_rtol: fl
     losses = {name: [step(), step()] for name, step in systems.items()}
     reference = losses["tvmdm"]
     for name, pair in losses.items():
-        tolerance = reduced_rtol if "[bf16]" in name or "[fp16]" in name else rtol
+        tolerance = reduced_rtol if reduced_precision(name) else rtol
         for i, (got, want) in enumerate(zip(pair, reference)):
             if abs(got - want) > tolerance * abs(want):
                 raise AssertionError(f"{name} disagrees with tvmdm at training step {i + 1}: loss {got:.7g} vs "

@@ -1,12 +1,20 @@
-"""One short prepared GPU session: build, tune briefly, benchmark against onnxruntime-gpu and PyTorch CUDA.
+"""One short prepared GPU session: check, benchmark, train, then tune with the time left, in that order.
 
-    python -m tvmdm.gpu_run OUT_DIR [--model bert-base-layer] [--budget 540] [--arch sm_90] [--trials 200]
+    python -m tvmdm.gpu_run OUT_DIR [--model bert-base-layer] [--budget 540] [--arch sm_90] [--trials 400]
 
-GPU time is lent in short slices, so everything runs under one wall-clock budget: compile with dlight rules,
-check against onnxruntime, tune with MetaSchedule until the tuning share of the budget is spent (the log keeps
-every finished trial), then the side-by-side benchmark with the tuned log. It writes OUT_DIR/gpu_run.json,
-gpu_run.png, gpu_run.log and the tuning database (OUT_DIR/tuning_logs/) to ship under tuning_logs/.
-Without a GPU it says so and runs the same steps on this CPU (llvm), which is how the path is tested here.
+GPU time is lent in short slices, so everything runs under one wall-clock budget and each step's result is in
+OUT_DIR/gpu_run.json as soon as the step ends (a call cut off by its limit keeps what was done; a step that
+fails is recorded with its error and the next one runs):
+  1. check: compile fp32 (and fp16 on CUDA) with dlight/shipped schedules, compare with onnxruntime;
+  2. bench: tvmdm (fp32, fp16) vs onnxruntime (its CUDA provider where installed, else said so), PyTorch
+     eager and torch.compile (CUDA on a GPU);
+  3. train: the compiled training step (fp32, fp16 with dynamic loss scaling on CUDA) vs a PyTorch step,
+     losses of two steps compared;
+  4. tune: MetaSchedule until the time left (less a reserve for step 5) is spent; every measured batch is in
+     OUT_DIR/tuning_logs at once (ship it as tuning_logs/<model>-cuda);
+  5. tuned: the benchmark again with the tuned log.
+It also writes gpu_run.png and gpu_run.log. Without a GPU it says so and runs the same steps on this CPU
+(llvm), which is how the path is tested here.
 """
 from __future__ import annotations
 
@@ -42,25 +50,26 @@ def pick_target(arch: str) -> tuple[str, str | None]:
 
 def tune_with_deadline(model: str, logs: str, target: str, trials: int, batch: int, seq: int, seconds: float,
                        log) -> dict:
-    """``tvmdm tune`` in a child process, interrupted (SIGINT, as Ctrl-C) when ``seconds`` run out: the
-    database keeps every trial joined so far; only the batch in flight is lost."""
+    """``tvmdm tune --seconds`` in a child process (its own deadline: it stops building and keeps every
+    measured batch); SIGINT 15 s past the deadline in case it is stuck, SIGKILL 15 s after that."""
     cmd = [sys.executable, "-m", "schedules.tune", model, "--logs", logs, "--target", target, "--trials",
-           str(trials), "--batch", str(batch), "--seq", str(seq)]
-    log(f"tuning: {' '.join(cmd[1:])} (at most {seconds:.0f} s)")
+           str(trials), "--batch", str(batch), "--seq", str(seq), "--seconds", f"{max(seconds, 1):.0f}"]
+    log(f"tuning: {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
     with open(log.path, "a") as sink:  # the tuner's progress lines go to the log file
         child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+    status = "finished"
     try:
-        child.wait(timeout=max(seconds, 1))
-        status = "finished"
+        child.wait(timeout=max(seconds, 1) + 15)
     except subprocess.TimeoutExpired:
         child.send_signal(signal.SIGINT)
+        status = "interrupted after its deadline"
         try:
-            child.wait(timeout=60)
+            child.wait(timeout=15)
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-        status = "stopped at its deadline"
+            status = "killed after its deadline"
     records = 0
     path = os.path.join(logs, "database_tuning_record.json")
     if os.path.exists(path):
@@ -71,6 +80,63 @@ def tune_with_deadline(model: str, logs: str, target: str, trials: int, batch: i
             "exit_code": child.returncode}
 
 
+class Steps:
+    """Runs named steps in order, each recorded (result or error, seconds) in gpu_run.json as it ends."""
+
+    def __init__(self, out_dir: str, log, header: dict):
+        self.path = os.path.join(out_dir, "gpu_run.json")
+        self.log = log
+        self.result = dict(header, steps={})
+        self._write()
+
+    def run(self, name: str, fn):
+        self.log(f"== step {name}")
+        t0 = time.perf_counter()
+        try:
+            value, record = fn(), {}
+        except Exception as err:  # noqa: BLE001 - a lease is too short to lose the other steps to one failure
+            value, record = None, {"error": f"{type(err).__name__}: {str(err)[:2000]}"}
+            self.log(f"step {name} failed: {record['error'][:500]}")
+        record = dict(record, result=_jsonable(value), seconds=round(time.perf_counter() - t0, 1))
+        self.result["steps"][name] = record
+        self._write()
+        return value
+
+    def _write(self) -> None:
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(self.result, f, indent=1, default=str)
+        os.replace(self.path + ".tmp", self.path)
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items() if k != "compiled"}
+    return value
+
+
+def check_precisions(model: str, target: str, precisions, batch: int, seq: int) -> dict:
+    """Compile ``model`` in each precision at (batch, seq) and compare with onnxruntime fp32."""
+    import tvmdm
+    from tvmdm.cli import resolve_shapes
+    from tvmdm.precision import MAX_REL_ERR
+    from tvmdm.bench import _load
+
+    proto = _load(model)
+    out = {}
+    for precision in precisions:
+        compiled = tvmdm.compile(proto, target=target, shapes=resolve_shapes(model, None, batch, seq),
+                                 precision=precision)
+        inputs = tvmdm.random_inputs(compiled, batch=batch, seq=seq)
+        got, ref = compiled.run(inputs), compiled.reference(inputs)
+        rel = max(float(abs(g - r).max() / max(abs(r).max(), 1e-30)) for g, r in zip(got, ref))
+        bound = MAX_REL_ERR.get(precision, 1e-4)
+        out[precision] = {"max_rel_err": rel, "bound": bound, "ok": rel <= bound,
+                          "compile_s": round(sum(compiled.timings.values()), 2),
+                          "tuned_kernels": len(compiled.tuned_kernels), "hand_kernels": len(compiled.hand_kernels),
+                          "kernels": len(compiled.kernels)}
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tvmdm.gpu_run", description=__doc__.splitlines()[0])
     parser.add_argument("out", help="folder for the JSON, plot, log and tuning database")
@@ -79,37 +145,54 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, help="default: the model's")
     parser.add_argument("--arch", default="sm_90", help="CUDA arch (default sm_90: H100/H200)")
     parser.add_argument("--budget", type=float, default=480, help="wall-clock seconds for everything (default 480)")
-    parser.add_argument("--tune-share", type=float, default=0.5, help="share of the budget for tuning")
+    parser.add_argument("--reserve", type=float, default=0.15, help="share of the budget kept for the tuned "
+                        "benchmark after tuning (default 0.15)")
     parser.add_argument("--trials", type=int, default=400, help="most tuning trials (the deadline usually ends it)")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
+    left = lambda: args.budget - (time.perf_counter() - start)  # noqa: E731
     os.makedirs(args.out, exist_ok=True)
     log = _Log(os.path.join(args.out, "gpu_run.log"))
     from tvmdm import models
     from tvmdm.bench import run_bench
     from tvmdm.bench_plot import plot_bench
+    from tvmdm.bench_train import run_train_bench
 
     dims = models.default_dims(args.model) if args.model in models.DEFAULT_MODELS else {"batch": 1, "seq": 128}
     batch, seq = args.batch or dims["batch"], args.seq or dims["seq"]
     target, fallback = pick_target(args.arch)
+    gpu = fallback is None
+    precisions = ("fp32", "fp16") if gpu else ("fp32",)
     log(f"gpu_run: {args.model} batch {batch} seq {seq} on {target}; budget {args.budget:.0f} s")
     if fallback:
         log(f"NOTE: {fallback}")
+    steps = Steps(args.out, log, {"model": args.model, "shapes": {"batch": batch, "seq": seq}, "target": target,
+                                  "budget_s": args.budget, "fallback": fallback, "precisions": list(precisions)})
+    per_system = lambda share: max(2.0, min(20.0, left() * share))  # noqa: E731 - seconds per timed system
+    steps.run("check", lambda: check_precisions(args.model, target, precisions, batch, seq))
+    bench = steps.run("bench", lambda: run_bench(
+        args.model, batch=batch, seq=seq, target=target, precisions=precisions, untuned=False, kernels=False,
+        torch_compile=True, max_seconds=per_system(0.02), out=log))
+    if bench:
+        plot_bench(bench, os.path.join(args.out, "gpu_run.png"))
+    steps.run("train", lambda: run_train_bench(
+        args.model, batch=batch, seq=seq, target=target, precisions=precisions, torch_compile=False,
+        max_seconds=per_system(0.02), out=log))
     logs = os.path.join(args.out, "tuning_logs")
-    tuning = tune_with_deadline(args.model, logs, target, args.trials, batch, seq,
-                                args.budget * args.tune_share - (time.perf_counter() - start), log)
-    left = args.budget - (time.perf_counter() - start)
-    log(f"benchmark ({left:.0f} s left)")
-    result = run_bench(args.model, batch=batch, seq=seq, target=target, untuned=True, torch_compile=False,
-                       kernels=False, tuning_logs=logs, max_seconds=max(2.0, min(20.0, left / 12)), out=log)
-    result["gpu_run"] = {"fallback": fallback, "tuning": tuning, "budget_s": args.budget,
-                         "wall_s": round(time.perf_counter() - start, 1)}
-    with open(os.path.join(args.out, "gpu_run.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    plot_bench(result, os.path.join(args.out, "gpu_run.png"))
-    log(f"wrote gpu_run.json, gpu_run.png in {args.out} after {time.perf_counter() - start:.0f} s")
-    return 0
+    steps.run("tune", lambda: tune_with_deadline(args.model, logs, target, args.trials, batch, seq,
+                                                  left() - args.budget * args.reserve, log))
+    tuned = steps.run("tuned", lambda: run_bench(
+        args.model, batch=batch, seq=seq, target=target, untuned=True, torch=False, ort_optimized=False,
+        kernels=False, tuning_logs=logs, max_seconds=max(2.0, min(20.0, left() / 8)), out=log))
+    if tuned:
+        plot_bench(tuned, os.path.join(args.out, "gpu_run.png"))
+    steps.result["wall_s"] = round(time.perf_counter() - start, 1)
+    steps._write()
+    failed = [name for name, record in steps.result["steps"].items() if "error" in record]
+    log(f"wrote gpu_run.json, gpu_run.png in {args.out} after {time.perf_counter() - start:.0f} s"
+        + (f"; failed steps: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -40,6 +40,16 @@ PRECISION_TARGETS = {"bf16": ("llvm", "cuda"), "fp16": ("cuda",)}
 # The documented accuracy of precision="bf16": max |out - out_fp32| / max |out_fp32| per output, vs onnxruntime
 # fp32 (tests check it on tiny layers; bf16 keeps 8 bits of mantissa, a relative rounding of 2^-9 per operand).
 BF16_MAX_REL_ERR = 1e-2
+# precision="fp16" (CUDA): 11 bits of mantissa, a relative rounding of 2^-12 per operand, fp32 accumulation;
+# the bound keeps bf16's margin over its rounding (2^-9 -> 1e-2).
+FP16_MAX_REL_ERR = 2e-3
+MAX_REL_ERR = {"bf16": BF16_MAX_REL_ERR, "fp16": FP16_MAX_REL_ERR, "tf32": FP16_MAX_REL_ERR}  # TF32: fp16's mantissa
+
+
+def reduced_precision(system: str) -> str | None:
+    """The reduced precision a benchmark system's name says it runs in ("tvmdm[fp16]", "torch-cuda[bf16]"), or
+    None (fp32). Such systems are held to MAX_REL_ERR of theirs, the others to fp32 tolerances."""
+    return next((p for p in MAX_REL_ERR if p in system), None)
 GEMM_BLOCK = "bf16_gemm"  # the contraction block schedules.bf16 looks for
 TRANSPOSED_BLOCK = "to_bf16_t"  # the transposing conversion (weight gradients' left operand), scheduled there too
 LANES = 16  # fp32 accumulators per vdpbf16ps

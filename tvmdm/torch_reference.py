@@ -45,9 +45,15 @@ def _load_onnx_weights(module, proto, prefix: str) -> None:
 class TorchReference:
     """``run(feeds) -> [outputs]`` with the same input names, dtypes and output order as the ONNX model."""
 
-    def __init__(self, name: str, proto=None, device: str = "cpu"):
+    def __init__(self, name: str, proto=None, device: str = "cpu", precision: str = "fp32"):
+        """precision: "fp32" (strict: no TF32 on CUDA), "tf32" (CUDA matmuls in TF32), "fp16" or "bf16"
+        (torch.autocast, PyTorch's mixed precision)."""
         import torch
         import transformers
+
+        if precision not in ("fp32", "tf32", "fp16", "bf16"):
+            raise ValueError(f"precision must be fp32, tf32, fp16 or bf16, got {precision!r}")
+        self.precision = precision
 
         if name not in models.DEFAULT_MODELS:
             raise KeyError(f"no PyTorch twin for {name!r}: only the embedded models {sorted(models.DEFAULT_MODELS)}")
@@ -86,10 +92,26 @@ class TorchReference:
         return self._forward(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                              token_type_ids=inputs["token_type_ids"]).last_hidden_state
 
+    def _precision(self):
+        """The context the forward pass runs in for self.precision."""
+        import contextlib
+
+        import torch
+
+        if self.precision in ("fp16", "bf16"):
+            return torch.autocast(self.device.type, dtype=getattr(torch, {"fp16": "float16",
+                                                                          "bf16": "bfloat16"}[self.precision]))
+        stack = contextlib.ExitStack()
+        if self.device.type == "cuda":
+            previous = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
+            stack.callback(setattr, torch.backends.cuda.matmul, "allow_tf32", previous)
+        return stack
+
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         import torch
 
-        with torch.inference_mode():
+        with torch.inference_mode(), self._precision():
             out = self.forward(self.torch_inputs(feeds))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
