@@ -3,7 +3,7 @@
 Each kind is the CPU model LLVM names and the flags its /proc/cpuinfo lists (tests/data/cpuinfo/<kind>, read
 off such a VM): building for it takes the same branches (vector width, register tile, bf16 dot product, packed
 vs logged contractions) whatever machine the tests run on. Code built for a kind runs here when this machine
-has every vector feature the kind's code may use (tvmdm.target.runs_here); otherwise only its schedules and
+has every vector feature the kind's code may use (tvmdm.target.features_missing_here); otherwise only its schedules and
 generated code are checked.
 
 The whole suite can run as on another kind of the same CPU model: ``TVMDM_CPUINFO=tests/data/cpuinfo/zen4-avx2
@@ -16,7 +16,7 @@ import os
 
 import tvm
 
-from tvmdm.target import host_flags, llvm_target, runs_here
+from tvmdm.target import host_flags, llvm_target, features_missing_here
 
 CPUINFO = os.path.join(os.path.dirname(__file__), "data", "cpuinfo")
 
@@ -36,7 +36,7 @@ class CpuKind:
 
     def cannot_run_here(self) -> str:
         """Why code built for this kind cannot run on this machine ("" when it can): a skip reason."""
-        missing = runs_here(self.target())
+        missing = features_missing_here(self.target())
         return f"this machine lacks {', '.join(missing)}, which code built for {self.name} may use" if missing else ""
 
 

@@ -105,6 +105,15 @@ def test_schedules_and_code_of_each_kind(kind):
     assert "ymm" in asm
 
 
+def test_sm_rows_of_exactly_one_vector_get_the_hand_schedule(kind, tiny_layer):
+    # 8 keys on AVX2's 8 lanes: the softmax partials have no step loop; the rule once raised there and SM fell
+    # back to the default schedule (4 parallel loops instead of one task per (batch, head))
+    compiled = tvmdm.compile(tiny_layer, shapes={"hidden_states": [2, 8, 32], "attention_mask": [2, 8]},
+                             target=kind.target(), tuning_logs=None)
+    parallel = [line for line in compiled.mod["sm"].script().splitlines() if "T.parallel" in line]
+    assert "sm" in compiled.hand_kernels and len(parallel) == 1, parallel
+
+
 def test_bf16_code_of_each_kind(kind):
     # without the dot product: a warning and a generic schedule computing the same numbers
     with warnings.catch_warnings(record=True) as caught:

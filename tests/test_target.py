@@ -87,3 +87,16 @@ def test_vectorized_kernel_runs_on_this_cpu(tmp_path):
     script.write_text(KERNEL_SCRIPT)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ran" in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
+def test_cpuinfo_file_from_the_environment_narrows_the_host_target(monkeypatch):
+    # TVMDM_CPUINFO: build (and run the suite) as on a machine of this model whose VM hides AVX-512
+    import os
+
+    from tvmdm.target import features_missing_here
+
+    zen4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})
+    monkeypatch.setenv("TVMDM_CPUINFO", os.path.join(os.path.dirname(__file__), "data", "cpuinfo", "zen4-avx2"))
+    assert "avx512f" not in host_flags() and "avx2" in host_flags()
+    assert not tvm.target.codegen.target_has_features("avx512f", make_target("llvm"))
+    assert {"avx512f", "avx512bf16"} <= set(features_missing_here(zen4))

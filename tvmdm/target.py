@@ -109,7 +109,7 @@ def vector_features(target: tvm.target.Target) -> set[str]:
     return {_normalized(f) for f in _known_vector_features() if has(f, target)}
 
 
-def runs_here(target: tvm.target.Target) -> list[str]:
+def features_missing_here(target: tvm.target.Target) -> list[str]:
     """The vector features code built for ``target`` may use that this machine lacks ([]: it runs here)."""
     flags = host_flags()
     return [] if flags is None else sorted(vector_features(target) - flags)
