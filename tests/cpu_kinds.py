@@ -48,3 +48,8 @@ KINDS = [
     CpuKind("sapphirerapids", "rocketlake", lanes=16, bf16_dot=True, logs_apply=True, packed=True),
 ]
 BY_NAME = {kind.name: kind for kind in KINDS}
+
+
+def asm_of(compiled) -> str:
+    """The generated assembly of a compiled model's kernels."""
+    return "".join(m.inspect_source("asm") for m in compiled._executable.mod.imports)

@@ -9,6 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 import hf_exports
+from cpu_kinds import asm_of
 import tvmdm
 from schedules import shipped_logs
 from schedules.bf16 import has_bf16_dot, schedule_bf16_gemm
@@ -33,10 +34,6 @@ def _max_rel_err(compiled, inputs) -> float:
     return max(float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(got, ref))
 
 
-def _asm(compiled) -> str:
-    return "".join(m.inspect_source("asm") for m in compiled._executable.mod.imports)
-
-
 @pytest.mark.parametrize("fusion", ["tvm", "paper"])
 def test_bf16_layer_within_tolerance_of_onnxruntime_fp32(tiny_layer, fusion):
     compiled = tvmdm.compile(tiny_layer, shapes=TINY, fusion=fusion, precision="bf16")
@@ -56,8 +53,8 @@ def test_bf16_layer_within_tolerance_of_onnxruntime_fp32(tiny_layer, fusion):
 @needs_bf16_cpu
 def test_bf16_kernels_use_the_avx512_bf16_dot_product(tiny_layer):
     compiled = tvmdm.compile(tiny_layer, shapes=TINY, precision="bf16")
-    assert "vdpbf16ps" in _asm(compiled)
-    assert "vdpbf16ps" not in _asm(tvmdm.compile(tiny_layer, shapes=TINY))
+    assert "vdpbf16ps" in asm_of(compiled)
+    assert "vdpbf16ps" not in asm_of(tvmdm.compile(tiny_layer, shapes=TINY))
 
 
 def test_the_pass_converts_each_activation_once_and_packs_weights_at_load(tiny_layer):
@@ -129,7 +126,7 @@ def test_cpu_without_bf16_dot_warns_and_computes_the_same(tiny_layer):
     assert not has_bf16_dot(make_target(target))
     with pytest.warns(UserWarning, match="no AVX512-BF16"):
         slow = tvmdm.compile(tiny_layer, shapes=TINY, precision="bf16", target=target, tuning_logs=None)
-    assert "vdpbf16ps" not in _asm(slow)
+    assert "vdpbf16ps" not in asm_of(slow)
     inputs = tvmdm.random_inputs(slow, batch=2, seq=8)
     assert _max_rel_err(slow, inputs) <= BF16_MAX_REL_ERR
     if HAS_BF16:
@@ -232,7 +229,7 @@ def test_bf16_training_step_gradients_close_to_torch_fp32(tiny_layer, bf16_layer
     # N is a multiple of 16 (context forward, two of its gradients).
     sites = call_sites(step.mod, "train_step")
     assert sum(n for k, n in sites.items() if "bf16_gemm" in k) == 6 + 6 + 3 + 3, sites
-    assert "vdpbf16ps" in _asm(step) or not HAS_BF16
+    assert "vdpbf16ps" in asm_of(step) or not HAS_BF16
     feeds = tvmdm.random_inputs(step, batch=2, seq=8)
     batch = dict(feeds, labels=np.random.default_rng(1).standard_normal(step.target_spec.shape).astype(np.float32))
     ref, layout = _torch_layer(tiny_layer)
