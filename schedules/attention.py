@@ -20,6 +20,7 @@ from tvm import tirx
 from tvm.s_tir import Schedule
 
 from schedules.apply import apply_hand_schedule
+from schedules.default import splits_evenly, tile_dividing
 
 SCORES_BLOCK = "T_einsum"
 ROWS = {16: 8, 8: 4}  # query rows per register tile, by vector lanes (AVX-512: 8 x 2 accumulators of 32 registers)
@@ -64,7 +65,8 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     for name in names[1:]:
         block = sch.get_sblock(name)
         inner = sch.get_loops(block)[-1]
-        if sch.get(block).iter_vars[-1].iter_type == tirx.IterVar.CommReduce and int(sch.get(inner).extent) % lanes == 0:
+        if sch.get(block).iter_vars[-1].iter_type == tirx.IterVar.CommReduce and \
+                splits_evenly(sch.get(inner).extent, lanes):
             _, lane = sch.split(inner, [None, lanes])
             sch.rfactor(lane, factor_axis=len(sch.get(block).iter_vars) - 1)
             partial.append(name)
@@ -73,7 +75,7 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     batch, head, row, _ = sch.get_loops(last)[:4]
     task = sch.fuse(batch, head)
     sch.parallel(task)
-    rows = next(r for r in (ROWS.get(lanes, 4), 4, 2, 1) if int(sch.get(row).extent) % r == 0)
+    rows = tile_dividing(sch.get(row).extent, (ROWS.get(lanes, 4), 4, 2, 1))
     row_tile, _ = sch.split(row, [None, rows])
     for name in reversed(names[:-1]):
         sch.compute_at(sch.get_sblock(name), row_tile)
@@ -87,9 +89,8 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     # The micro-kernel: rows x key_vectors accumulators in registers over the reduction (d), a broadcast query
     # element and a contiguous key-tile row per step.
     *_, i, key, d = sch.get_loops(einsum)
-    keys = int(sch.get(key).extent)
-    vectors = next(v for v in (KEY_VECTORS, 1)
-                   if keys % (v * lanes) == 0) if keys % lanes == 0 else None
+    keys = sch.get(key).extent
+    vectors = next((v for v in (KEY_VECTORS, 1) if splits_evenly(keys, v * lanes)), None)
     if vectors is None:  # a ragged key axis: rows of scores, vectorized where they can be
         sch.reorder(d, key)
         sch.decompose_reduction(einsum, d)
@@ -117,7 +118,7 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
                 sch.reorder(*rest, lane)
             if name.endswith("_rf"):
                 sch.vectorize(lane)
-        elif int(sch.get(loops[-1]).extent) % lanes == 0:
+        elif splits_evenly(sch.get(loops[-1]).extent, lanes):
             sch.vectorize(sch.split(loops[-1], [None, lanes])[1])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
@@ -141,7 +142,7 @@ def _transpose_in_tiles(sch, tile, position: int) -> None:
     inner = next((loop for var, loop in by_var.items() if realize.iter_values[-1].same_as(var)), None)
     if key is None or inner is None or key.same_as(inner):
         return
-    if int(sch.get(key).extent) % TILE or int(sch.get(inner).extent) % TILE:
+    if not splits_evenly(sch.get(key).extent, TILE) or not splits_evenly(sch.get(inner).extent, TILE):
         return
     key_tile, key_in = sch.split(key, [None, TILE])
     inner_tile, inner_in = sch.split(inner, [None, TILE])
@@ -198,7 +199,7 @@ def schedule_context(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     if columns % lanes:
         return None
     vectors = next(v for v in (4 if lanes >= 16 else 2, 2, 1) if columns % (v * lanes) == 0)
-    rows = next(r for r in (ROWS.get(lanes, 4), 4, 2, 1) if int(sch.get(row).extent) % r == 0)
+    rows = tile_dividing(sch.get(row).extent, (ROWS.get(lanes, 4), 4, 2, 1))
     row_tile, row_in = sch.split(row, [None, rows])
     column_tile, column_vector, lane = sch.split(column, [None, vectors, lanes])
     sch.reorder(*others, row_tile, column_tile, reduced, row_in, column_vector, lane)

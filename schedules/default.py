@@ -16,6 +16,20 @@ from tvm.s_tir import schedule as sch_mod
 VECTOR_LANES = 16  # 512-bit vectors of fp32
 
 
+def tile_dividing(extent, tiles) -> int:
+    """The first of ``tiles`` (largest first) that divides a concrete ``extent``; the first for a symbolic one
+    (a module serving every batch and seq): its last tile is partial, the split guards it with a predicate."""
+    if not isinstance(extent, tirx.IntImm):
+        return tiles[0]
+    return next(t for t in tiles if int(extent) % t == 0)
+
+
+def splits_evenly(extent, factor: int) -> bool:
+    """Whether a loop of ``extent`` splits into whole ``factor``-long pieces, a symbolic extent taken as yes: its
+    partial last piece is guarded by the split's predicate, which TVM's LoopPartition peels off the loop."""
+    return not isinstance(extent, tirx.IntImm) or int(extent) % factor == 0
+
+
 def gpu_rules() -> list:
     return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
 

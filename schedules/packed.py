@@ -21,12 +21,12 @@ from tvm import tirx
 from tvm.s_tir import Schedule
 
 from schedules.apply import apply_hand_schedule
-from schedules.default import inline_elementwise
+from schedules.default import inline_elementwise, tile_dividing
 from schedules.transposes import tile_transpose
 from tvmdm.precision import FP32_GEMM_BLOCK, FP32_PACK_BLOCK as PACK_BLOCK, TRANSPOSED_ROWS_BLOCK
 from tvmdm.target import vector_lanes
 
-ROWS = {16: 8, 8: 4}  # rows per register tile, by vector lanes (AVX-512: 8 x 3 accumulators of 32 registers)
+ROWS = {16: 8, 8: 4}  # rows per register tile (each divides precision.ROW_PAD), by vector lanes (AVX-512: 8 x 3 accumulators of 32 registers)
 PANEL_VECTORS = 3
 TILE = 8  # rows per tile of the transposing copies
 
@@ -47,7 +47,7 @@ def epilogue_into_tile(sch, acc, at, lanes: int) -> None:
             target = consumer
     for block in {acc, target}:
         inner = sch.get_loops(block)[-1]
-        if int(sch.get(inner).extent) % lanes == 0:
+        if sch.get(inner).kind != tirx.ForKind.VECTORIZED and int(sch.get(inner).extent) % lanes == 0:
             _, vector = sch.split(inner, [None, lanes])
             sch.vectorize(vector)
 
@@ -59,13 +59,18 @@ def schedule_packed_gemm(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc:
     inline_elementwise(sch, sch.get_sblock("root"))
     gemm = sch.get_sblock(FP32_GEMM_BLOCK)
     *outer, m, n, k = sch.get_loops(gemm)
-    rows = next(r for r in (ROWS.get(lanes, 4), 4, 2, 1) if int(sch.get(m).extent) % r == 0)
+    static_rows = isinstance(sch.get(m).extent, tirx.IntImm)
+    rows = tile_dividing(sch.get(m).extent, (ROWS.get(lanes, 4), 4, 2, 1))
     mo, mi = sch.split(m, [None, rows])
     no, nv, ni = sch.split(n, [None, PANEL_VECTORS, lanes])
     sch.reorder(no, *outer, mo, k, mi, nv, ni)
     sch.parallel(sch.fuse(no, *outer) if outer else no)
-    acc = sch.cache_write(gemm, 0, "local")
-    sch.reverse_compute_at(acc, mo)
+    if static_rows:
+        acc = sch.cache_write(gemm, 0, "local")
+        sch.reverse_compute_at(acc, mo)
+    else:  # symbolic rows: gemm_func's whole tiles are already an intermediate, copied out per tile (guarded)
+        acc = gemm
+        sch.set_scope(gemm, 0, "local")
     sch.unroll(mi)
     sch.unroll(nv)
     sch.vectorize(ni)  # before decompose_reduction: vectorize refuses an update block without its init

@@ -16,7 +16,7 @@ from tvm import tirx
 from tvm.s_tir import Schedule
 
 from schedules.apply import apply_hand_schedule
-from schedules.default import inline_elementwise
+from schedules.default import inline_elementwise, tile_dividing
 
 ROW_TILE = 4  # rows per task: a few KB of each input, in L1 across the reductions
 
@@ -70,8 +70,7 @@ def reductions_in_row_tiles(sch, reductions: list[str], anchor: str, lanes: int,
         sch.rfactor(lane, factor_axis=len(sch.get(block).iter_vars) - 1)
     *leading, last = sch.get_loops(sch.get_sblock(anchor))
     rows = sch.fuse(*leading) if len(leading) > 1 else leading[0]
-    n_rows = int(sch.get(rows).extent)
-    tile = next(t for t in (ROW_TILE, 2, 1) if n_rows % t == 0)
+    tile = tile_dividing(sch.get(rows).extent, (ROW_TILE, 2, 1))
     task, row = sch.split(rows, [None, tile])
     sch.parallel(task)
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]

@@ -151,7 +151,7 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     provenance: dict[str, list[str]] = {}
     read_fractions: dict[str, dict[int, float]] = {}
     tuning_logs = resolve_logs(tuning_logs, tvm_target)
-    lanes = packed_lanes(tuning_logs, tvm_target, precision)
+    lanes = packed_lanes(tuning_logs, tvm_target, precision, symbolic=has_symbolic_inputs(imported.mod))
     mod = fuse_stage.fuse(imported.mod, fusion, provenance, layout, read_fractions, precision=precision,
                           target_kind=tvm_target.kind.name, packed_lanes=lanes)
     mod, tuned, hand = _schedule(mod, tvm_target, tuning_logs, precision, packed=lanes is not None)
@@ -185,19 +185,27 @@ def resolve_logs(tuning_logs, target):
     return shipped_logs(target) if isinstance(tuning_logs, str) and tuning_logs == "shipped" else tuning_logs
 
 
-def packed_lanes(tuning_logs, target, precision: str) -> int | None:
+def packed_lanes(tuning_logs, target, precision: str, symbolic: bool = False) -> int | None:
     """The weight panel width for schedules.packed when the fp32 contractions have no records tuned on this CPU
-    model: no log suits it, or the logs were tuned on another model (schedules.apply.tuned_on_this_cpu; their
-    records still serve the other kernels). An explicit ``tuning_logs=None`` keeps the plain default schedules,
-    a user's log directory (no meta.json) its own records."""
+    model: no log suits it, the logs were tuned on another model (schedules.apply.tuned_on_this_cpu; their
+    records still serve the other kernels), or the module has symbolic (batch, seq) dims (records are for
+    static shapes only: a symbolic module would fall to the default schedules, ~9x slower on BERT-base). An
+    explicit ``tuning_logs=None`` keeps the plain default schedules, a user's log directory (no meta.json) its
+    own records."""
     from schedules.apply import tuned_on_this_cpu
     from schedules.packed import panel_lanes
 
     if target.kind.name != "llvm" or precision != "fp32" or not isinstance(tuning_logs, list):
         return None
-    if any(tuned_on_this_cpu(logs_dir, target) for logs_dir in tuning_logs):
+    if not symbolic and any(tuned_on_this_cpu(logs_dir, target) for logs_dir in tuning_logs):
         return None
     return panel_lanes(target)
+
+
+def has_symbolic_inputs(mod: tvm.IRModule) -> bool:
+    """Whether any input of ``main`` has a symbolic dim."""
+    return any(not isinstance(d, tvm.tirx.IntImm) for param in mod["main"].params
+               for d in getattr(getattr(param.ty, "shape", None), "values", ()))
 
 
 def _schedule(mod, target, tuning_logs, precision: str = "fp32",

@@ -42,9 +42,11 @@ class BertConfig:
         return self.hidden // self.heads
 
 
-# Name -> (what it is, config). "bert-base-layer" is the paper's unit of work; "bert-small" a whole model.
+# Name -> (what it is, config). "bert-base-layer" is the paper's unit of work; "bert-small" and "bert-base"
+# (bert-base-uncased's size: 12 layers, 110M parameters) are whole models (embeddings + encoder).
 DEFAULT_MODELS = {
     "bert-base-layer": ("BERT-base encoder layer", BertConfig()),
+    "bert-base": ("BERT-base (embeddings + 12 layers, 110M parameters)", BertConfig(layers=12)),
     "bert-small": (
         "small full BERT (embeddings + 2 layers)",
         BertConfig(hidden=256, heads=4, ffn=1024, layers=2, vocab=1000, max_positions=128, batch=4, seq=64),
@@ -195,7 +197,12 @@ def default_model(name: str) -> onnx.ModelProto:
     if name not in DEFAULT_MODELS:
         raise KeyError(f"unknown default model {name!r}; choose one of {sorted(DEFAULT_MODELS)}")
     cfg = DEFAULT_MODELS[name][1]
-    return build_bert(cfg) if name == "bert-small" else build_encoder_layer(cfg)
+    return build_bert(cfg) if is_whole_model(name) else build_encoder_layer(cfg)
+
+
+def is_whole_model(name: str) -> bool:
+    """A default model with embeddings (inputs: token ids), not a lone encoder layer (inputs: hidden states)."""
+    return not name.endswith("-layer")
 
 
 def default_dims(name: str) -> dict[str, int]:

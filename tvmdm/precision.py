@@ -55,6 +55,7 @@ TRANSPOSED_BLOCK = "to_bf16_t"  # the transposing conversion (weight gradients' 
 LANES = 16  # fp32 accumulators per vdpbf16ps
 PAIR = 2  # bf16 values per accumulator per vdpbf16ps
 BITS = "uint16"
+ROW_PAD = 8  # symbolic rows are computed in whole tiles of this many (a multiple of schedules.packed.ROWS)
 FP32_GEMM_BLOCK = "packed_gemm"  # fp32 contraction on packed weights (schedules.packed)
 FP32_PACK_BLOCK = "pack_weight"  # its weight packing
 TRANSPOSED_ROWS_BLOCK = "transpose_rows"  # X^T of its weight gradients
@@ -123,6 +124,13 @@ def _i64(dims) -> tuple:
     return tuple(tirx.IntImm("int64", int(d)) for d in dims)
 
 
+def _lead_dims(lead) -> tuple:
+    """A kernel's leading (row) dims: concrete ones as int64, each symbolic one (a Relax function's batch or seq)
+    as a fresh int64 var of the kernel's own, defined by its input buffer's shape."""
+    return tuple(tirx.IntImm("int64", int(d)) if isinstance(d, (int, tirx.IntImm)) else
+                 tirx.Var(getattr(d, "name", "n"), "int64") for d in lead)
+
+
 def to_bf16_func(shape) -> tirx.PrimFunc:
     shape = _i64(shape)
     x = te.placeholder(shape, "float32", name="x")
@@ -159,16 +167,29 @@ def gemm_func(lead, k: int, n: int, batch: int = 0, packing: Packing = BF16) -> 
     block ``packing.block``. With ``batch`` > 0, W has the first ``batch`` dims of ``lead`` in front (batched
     contractions: attention)."""
     lanes, pair, decode = packing.lanes, packing.pair, packing.decode
-    a = te.placeholder(_i64(tuple(lead) + (k,)), packing.dtype, name="a")
-    w = te.placeholder(_i64(tuple(lead[:batch]) + tuple(packed_shape(k, n, packing))), packing.dtype, name="w")
+    lead = _lead_dims(lead)
+    a = te.placeholder(lead + _i64((k,)), packing.dtype, name="a")
+    w = te.placeholder(lead[:batch] + _i64(packed_shape(k, n, packing)), packing.dtype, name="w")
     r = te.reduce_axis((tirx.IntImm("int64", 0), tirx.IntImm("int64", k)), name="k")
+    rows = lead[-1]
+    symbolic = not isinstance(rows, tirx.IntImm)
 
     def element(*idx):
-        *rows, col = idx
-        return te.sum(decode(a(*rows, r)) * decode(w(*rows[:batch], col // lanes, r // pair, col % lanes, r % pair)),
-                      axis=r)
+        *lead_idx, col = idx
+        a_idx = lead_idx[:-1] + [tirx.min(lead_idx[-1], rows - 1)] if symbolic else lead_idx
+        return te.sum(decode(a(*a_idx, r)) * decode(w(*lead_idx[:batch], col // lanes, r // pair, col % lanes,
+                                                      r % pair)), axis=r)
 
-    out = te.compute(_i64(tuple(lead) + (n,)), element, name=packing.block)
+    if symbolic:
+        # Symbolic rows (one module for every seq): the contraction runs over whole tiles of ROW_PAD rows, the
+        # rows past the end re-reading the last one, into a buffer the schedule keeps in registers; only the
+        # copy out is guarded. A predicated tile instead made the accumulators a heap buffer of symbolic size
+        # (3x slower, BERT-base FFN).
+        padded = (rows + ROW_PAD - 1) // ROW_PAD * ROW_PAD
+        tiles = te.compute(lead[:-1] + (padded,) + _i64((n,)), element, name=packing.block)
+        out = te.compute(lead + _i64((n,)), lambda *idx: tiles(*idx), name=packing.block + "_rows")
+    else:
+        out = te.compute(lead + _i64((n,)), element, name=packing.block)
     # A contraction with element-wise epilogues: FuseOps may fuse bias / GELU / residual after it.
     return _private(te.create_prim_func([a, w, out])).with_attr("op_pattern", 4)
 
@@ -277,14 +298,23 @@ def _plan(func: relax.Function, weights: set | None, packing: Packing = BF16) ->
         operand = _matrix_operand(w, bindings) if weights is None else _weight_operand(w, weights, bindings, seen)
         if operand is None or x.ty.dtype != "float32" or operand[0].ty.dtype != "float32":
             continue
-        x_shape, w_shape = static_shape(x), static_shape(operand[0])
+        x_shape, w_shape = _rows_by_k(x, packing), static_shape(operand[0])
         if x_shape is None or w_shape is None:
-            continue  # symbolic rows: check_static_shapes refuses such models before the passes run
+            continue  # bf16 with symbolic rows: check_static_shapes refuses such models before the passes run
         n, k = (w_shape if operand[1] else w_shape[::-1])
         if not packing.fits(k, n):
             continue  # stays as it is: the packed layout needs whole panels (bf16: N % 16 == 0 and K even)
         targets[var] = ("gemm", x, operand[0], operand[1], x_shape, k, n, 0)
     return targets
+
+
+def _rows_by_k(x, packing: Packing):
+    """x's dims when its last (K) is concrete: the leading ones may be symbolic (a module serving every batch and
+    seq) where the activations are read as they are (fp32 packing); the bf16 conversion needs them concrete."""
+    if not packing.converts:
+        dims = list(x.ty.shape.values)
+        return dims if isinstance(dims[-1], tirx.IntImm) else None
+    return static_shape(x)
 
 
 def _weight_gradient(x, w, bindings: dict, packing: Packing = BF16):

@@ -60,7 +60,7 @@ class TorchReference:
         cfg = models.DEFAULT_MODELS[name][1]
         proto = proto if proto is not None else models.default_model(name)
         self.name = name
-        self.is_layer = name != "bert-small"
+        self.is_layer = not models.is_whole_model(name)
         self.device = torch.device(device)
         if self.is_layer:
             module = transformers.models.bert.modeling_bert.BertLayer(_hf_config(cfg))
