@@ -17,10 +17,11 @@ VECTOR_LANES = 16  # 512-bit vectors of fp32
 
 
 def tile_dividing(extent, tiles) -> int:
-    """The first of ``tiles`` (largest first) that divides a concrete ``extent``; the first for a symbolic one
-    (a module serving every batch and seq): its last tile is partial, the split guards it with a predicate."""
+    """The first of ``tiles`` (largest first, the last 1) that divides a concrete ``extent``; the last for a
+    symbolic one (a module serving every batch and seq): a partial tile would need a predicate, which made the
+    tile's local buffers of symbolic size (heap, not registers) and broke rfactor's vectorized partials."""
     if not isinstance(extent, tirx.IntImm):
-        return tiles[0]
+        return tiles[-1]
     return next(t for t in tiles if int(extent) % t == 0)
 
 

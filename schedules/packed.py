@@ -60,7 +60,8 @@ def schedule_packed_gemm(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc:
     gemm = sch.get_sblock(FP32_GEMM_BLOCK)
     *outer, m, n, k = sch.get_loops(gemm)
     static_rows = isinstance(sch.get(m).extent, tirx.IntImm)
-    rows = tile_dividing(sch.get(m).extent, (ROWS.get(lanes, 4), 4, 2, 1))
+    # symbolic rows: gemm_func padded them to whole tiles of ROW_PAD, which ROWS divides
+    rows = tile_dividing(sch.get(m).extent, (ROWS.get(lanes, 4), 4, 2, 1)) if static_rows else ROWS.get(lanes, 4)
     mo, mi = sch.split(m, [None, rows])
     no, nv, ni = sch.split(n, [None, PANEL_VECTORS, lanes])
     sch.reorder(no, *outer, mo, k, mi, nv, ni)
