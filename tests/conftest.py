@@ -3,24 +3,25 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # for hf_exports
+sys.path.insert(0, os.path.dirname(__file__))  # for the helpers beside the tests (tolerance, cpu_kinds)
 
 
 @pytest.fixture(scope="session")
 def hf_export(tmp_path_factory):
-    """hf_export(family, dynamo=, dynamic=, opset=) -> path of a real transformers export, made once per session."""
+    """hf_export(family, dynamo=, dynamic=, opset=, size=) -> path of a real transformers export, made once per session."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import hf_exports
+    from tvmdm import hf_export as hf_exports
 
     root = tmp_path_factory.mktemp("hf")
     cache = {}
 
-    def make(family, *, dynamo=False, dynamic=True, opset=17):
-        key = (family, dynamo, dynamic, opset)
+    def make(family, *, dynamo=False, dynamic=True, opset=17, size="tiny"):
+        key = (family, dynamo, dynamic, opset, size)
         if key not in cache:
-            name = f"{family}-{'dynamo' if dynamo else 'legacy'}-{'dyn' if dynamic else 'static'}-op{opset}.onnx"
-            cache[key] = hf_exports.export(family, str(root / name), dynamo=dynamo, dynamic=dynamic, opset=opset)
+            name = f"{family}-{size}-{'dynamo' if dynamo else 'legacy'}-{'dyn' if dynamic else 'static'}-op{opset}.onnx"
+            cache[key] = hf_exports.export(family, str(root / name), dynamo=dynamo, dynamic=dynamic, opset=opset,
+                                           size=size)
         return cache[key]
 
     return make

@@ -6,7 +6,7 @@ import pytest
 import tvm
 from tvm import relax
 
-import hf_exports
+from tvmdm import hf_export as hf_exports
 import tvmdm
 from onnx_import import import_onnx
 from tvmdm import fuse, graph_rewrites

@@ -3,7 +3,7 @@ compiled by tvmdm and compared with onnxruntime."""
 import numpy as np
 import pytest
 
-import hf_exports
+from tvmdm import hf_export as hf_exports
 import tvmdm
 
 EXPORTS = [  # (exporter is dynamo, dynamic axes, opset)

@@ -8,7 +8,7 @@ import tvm
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
-import hf_exports
+from tvmdm import hf_export as hf_exports
 from cpu_kinds import asm_of
 import tvmdm
 from schedules import shipped_logs

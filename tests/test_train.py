@@ -98,7 +98,7 @@ def test_three_adamw_steps_match_torch_optim(tiny_layer, layer_step, layer_batch
 
 
 def test_hf_sequence_classifier_gradients_match_torch_autograd(hf_export):
-    import hf_exports
+    from tvmdm import hf_export as hf_exports
 
     step = tvmdm.compile_train_step(hf_export("bert-seqcls", dynamic=True), loss="cross_entropy", batch=2, seq=8,
                                     tuning_logs=None)
@@ -298,7 +298,7 @@ def test_dropout_masks_sit_where_hf_applies_dropout_and_match_torch(tiny_layer, 
 def test_hf_masked_lm_with_tied_decoder_matches_torch(hf_export):
     """MaskedLM ties its decoder to the word embeddings; torch's exporter writes the decoder as a transposed copy.
     The step trains them as one tensor, as torch does: the loss (with -100 labels ignored) and gradients match."""
-    import hf_exports
+    from tvmdm import hf_export as hf_exports
 
     step = tvmdm.compile_train_step(hf_export("bert-mlm", dynamic=True), loss="cross_entropy", batch=2, seq=8,
                                     tuning_logs=None)

@@ -18,7 +18,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from tvmdm.graph_rewrites import call_op
+from tvmdm.graph_rewrites import call_op, function_pass, rewritten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,30 @@ def find_sites(func: relax.Function) -> dict:
             else:
                 sites[b.var] = ("embeddings", None)
     return sites
+
+
+def strip_exported_dropout() -> tvm.transform.Pass:
+    """An export's own Dropout nodes -> their input. torch's dynamo exporter writes them even for a model in
+    eval mode (inference: identity, as onnxruntime runs them); Relax's ``nn.dropout`` has no gradient, and
+    the training step applies its own (``dropout=``, insert_dropout) at HF's sites, which they would hide."""
+
+    def rewrite(mod: tvm.IRModule, name: str) -> tvm.IRModule:
+        func = mod[name]
+        if not any(call_op(b.value) == "relax.nn.dropout" for block in func.body.blocks for b in block.bindings):
+            return mod
+
+        @relax.expr_functor.mutator
+        class Strip(relax.PyExprMutator):
+            def visit_var_binding_(self, binding):
+                if call_op(binding.value) != "relax.nn.dropout":
+                    return super().visit_var_binding_(binding)
+                x = self.visit_expr(binding.value.args[0])  # (output, mask): the mask is never read
+                self.set_var_remap(binding.var, self.builder_.emit(relax.Tuple([x, x])))
+                return None
+
+        return rewritten(mod, name, Strip(mod))
+
+    return function_pass("tvmdm.StripExportedDropout", rewrite, every_function=False)
 
 
 def insert_dropout(mod: tvm.IRModule, n_inputs: int) -> tuple[tvm.IRModule, list[DropoutSite]]:

@@ -22,7 +22,7 @@ from tvm import relax
 
 from tvmdm import fuse as fuse_stage
 from tvmdm import train_graph
-from tvmdm.dropout import DropoutConfig
+from tvmdm.dropout import DropoutConfig, strip_exported_dropout
 from tvmdm.errors import InputError, TvmdmError
 from tvmdm.runtime import ModelRunner
 from tvmdm.spec import TensorSpec
@@ -277,6 +277,7 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
         raise InputError(f"{source}: training needs static shapes, but input {s.name!r} has shape "
                          f"[{', '.join(map(str, s.shape))}]: pass batch= and seq=, or shapes={{{s.name!r}: [...]}}")
     mod, trainable = _split_trainable(imported)
+    mod = strip_exported_dropout()(mod)
     if not trainable:
         raise TvmdmError(f"{source}: the model has no float initializers to train")
     mod, trainable, tied = train_graph.tie_transposed_copies(mod, len(imported.inputs), trainable)
