@@ -26,7 +26,8 @@ SCORES_BLOCK = "T_einsum"
 ROWS = {16: 8, 8: 4}  # query rows per register tile, by vector lanes (AVX-512: 8 x 2 accumulators of 32 registers)
 TILE = 8  # square of the key-last copy
 KEY_VECTORS = 2  # key vectors per register tile (AVX2: 4 x 2 of 16 registers)
-SOFTMAX_BLOCKS = {"T_softmax_maxelem", "T_fast_exp", "T_softmax_exp", "T_softmax_expsum", "T_softmax_norm"}
+# T_where: the normalization with NaNs zeroed (torch's scaled_dot_product_attention export), softmax_norm inlined
+SOFTMAX_BLOCKS = {"T_softmax_maxelem", "T_fast_exp", "T_softmax_exp", "T_softmax_expsum", "T_softmax_norm", "T_where"}
 
 
 def _key_operand(block):

@@ -16,15 +16,24 @@ from tvmdm import compat as _compat
 
 _compat.use_all_cores()  # before any TVM kernel runs: the thread pool reads it once
 
-from tvmdm.analysis import Report, analyze  # noqa: E402
-from tvmdm.artifact import load
-from tvmdm.build import CheckResult, Compiled, compile
-from tvmdm.inputs import random_inputs
-from tvmdm.errors import (ArtifactError, InputError, ModelLoadError, ShapeError, TargetError, TvmdmError,
+import importlib  # noqa: E402
+
+from tvmdm.artifact import load  # noqa: E402
+from tvmdm.errors import (ArtifactError, InputError, ModelLoadError, ShapeError, TargetError, TvmdmError,  # noqa: E402
                           UnsupportedOperatorError)
-from tvmdm.spec import TensorSpec
-from tvmdm.distributed import DataParallel
-from tvmdm.train import AdamW, LossScaler, TrainStep, compile_train_step, load_train_step
+from tvmdm.inputs import random_inputs  # noqa: E402
+from tvmdm.spec import TensorSpec  # noqa: E402
+
+# The rest is imported on first use: loading and running an artifact needs TVM's runtime alone (the compiler,
+# Relax and onnx stay unloaded; see tvmdm.runtime), and the model builder needs onnx.
+_LAZY = {
+    "tvmdm.analysis": ("Report", "analyze"),
+    "tvmdm.build": ("CheckResult", "Compiled", "compile"),
+    "tvmdm.distributed": ("DataParallel",),
+    "tvmdm.train": ("AdamW", "LossScaler", "TrainStep", "compile_train_step", "load_train_step"),
+    "tvmdm.models": ("default_model", "default_dims", "DEFAULT_MODELS"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 __version__ = "0.1.0"
 
@@ -36,9 +45,12 @@ __all__ = [
 
 
 def __getattr__(name):
-    # The model builder needs onnx; deployed artifacts load without it, so import it only when asked.
-    if name in ("default_model", "default_dims", "DEFAULT_MODELS"):
-        from tvmdm import models
-
-        return getattr(models, name)
+    if name in _HOME:
+        value = globals()[name] = getattr(importlib.import_module(_HOME[name]), name)
+        return value
+    try:  # a submodule: tvmdm.models, tvmdm.bench, ...
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.{name}":
+            raise
     raise AttributeError(f"module 'tvmdm' has no attribute {name!r}")

@@ -54,7 +54,7 @@ def read_bundle(path, fmt: str = FORMAT, version: int = VERSION):
     try:
         with tarfile.open(path, "r") as tar:
             manifest = json.loads(tar.extractfile("manifest.json").read())
-            params_npz = np.load(io.BytesIO(tar.extractfile("params.npz").read()))
+            arrays = _read_params(tar, manifest)
             lib_bytes = tar.extractfile("model.so").read()
     except (tarfile.TarError, KeyError, ValueError, OSError, AttributeError) as err:
         raise ArtifactError(f"{path}: not a tvmdm artifact or damaged: {err}") from None
@@ -71,8 +71,19 @@ def read_bundle(path, fmt: str = FORMAT, version: int = VERSION):
         except RuntimeError as err:
             raise ArtifactError(f"{path}: compiled for {manifest['target_kind']}, but this TVM runtime cannot load "
                                 f"it here ({str(err).strip().splitlines()[-1]})") from None
-    arrays = {name: params_npz[f"p{i}"] for i, name in enumerate(manifest["params"])}
     return manifest, lib, arrays
+
+
+def _read_params(tar, manifest) -> dict:
+    """The arrays of a bundle's params.npz, read from the archive member in place (one copy in memory)."""
+    with np.load(tar.extractfile("params.npz")) as npz:
+        return {name: npz[f"p{i}"] for i, name in enumerate(manifest["params"])}
+
+
+def read_params(path) -> dict:
+    """The weights of a bundle by name, read again from its file."""
+    with tarfile.open(os.fspath(path), "r") as tar:
+        return _read_params(tar, json.loads(tar.extractfile("manifest.json").read()))
 
 
 def export_artifact(runner, path) -> str:
@@ -96,4 +107,5 @@ def load(path) -> "ModelRunner":
     return ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
                        outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]], params=params,
                        target_kind=manifest["target_kind"],
-                       index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()})
+                       index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
+                       reload_params=lambda: read_params(path))

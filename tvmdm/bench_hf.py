@@ -9,8 +9,8 @@ exporters with dynamic (batch, seq) axes, then, each step's result written to th
 - latency at each (batch, seq): tvmdm compiled for that size, one symbolic tvmdm module serving every size,
   onnxruntime, onnxruntime after its transformers optimizer, PyTorch eager (the very module exported); every
   system checked against onnxruntime first;
-- memory: peak resident memory of a fresh process that loads and runs the model (tvmdm's exported artifact vs
-  an onnxruntime session on the ONNX file);
+- memory: peak resident memory of a fresh process that loads and runs the model (tvmdm's exported artifact, as
+  a deployment runs it: TVM's runtime library alone, no torch; vs an onnxruntime session on the ONNX file);
 - train: a BertForSequenceClassification step (cross-entropy, AdamW) of tvmdm vs PyTorch eager from the same
   weights, the losses of the first steps compared, then timed;
 - analyze: flops and bytes per kernel class, stock vs paper fusion.
@@ -57,9 +57,10 @@ def export_models(size: str, out_dir: str, out=print) -> dict:
     return paths
 
 
-def _probe(code: str, *args: str) -> dict:
-    """Run ``code`` in a fresh Python process; it prints one JSON line last. Adds that process's peak RSS."""
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+def _probe(code: str, *args: str, env: dict | None = None) -> dict:
+    """Run ``code`` in a fresh Python process (``env`` added to the environment); it prints one JSON line last."""
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=dict(os.environ, **(env or {})))
     if proc.returncode != 0:
         raise RuntimeError(f"probe failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -84,8 +85,11 @@ print(json.dumps({{"seconds": seconds, "peak_rss_mb": peak, "stages": compiled.t
                   "tuned": len(compiled.tuned_kernels)}}))
 """
 
+# A deployment: TVM's runtime library alone (TVM_USE_RUNTIME_LIB, set by run_memory) and no torch (tvm_ffi
+# imports it when installed: 180 MB; the core dependencies do not include it).
 _RUN_TVMDM = f"""
 import json, sys
+sys.modules["torch"] = None
 import numpy as np
 import tvmdm
 runner = tvmdm.load(sys.argv[1])
@@ -167,9 +171,12 @@ def latencies(path: str, model, sizes, *, min_runs: int = 5, max_seconds: float 
         systems = {"onnxruntime": ort, "onnxruntime-bert-opt": ort_opt, "tvmdm": bound.run,
                    "tvmdm[symbolic]": symbolic.run, "torch-eager": torch_run}
         feeds = sample_feeds("bert", model, batch, seq)
-        agreement = check_agreement(systems, feeds, ort(feeds))
-        timings = [summarize(name, time_until_stable(lambda r=run: r(feeds), min_runs=min_runs,
-                                                     max_seconds=max_seconds)) for name, run in systems.items()]
+        reference = ort(feeds)
+        agreement, timings = {}, []
+        for name, run in systems.items():  # each checked right before it is timed: PyTorch last (see train_step)
+            agreement.update(check_agreement({name: run}, feeds, reference))
+            timings.append(summarize(name, time_until_stable(lambda r=run: r(feeds), min_runs=min_runs,
+                                                             max_seconds=max_seconds)))
         for t in timings:
             t.vs_onnxruntime = t.median_ms / timings[0].median_ms
         out(f"batch {batch}, seq {seq}:")
@@ -187,7 +194,7 @@ def run_memory(path: str, model, batch: int, seq: int, work_dir: str, out=print)
     np.savez(feeds_path, **sample_feeds("bert", model, batch, seq))
     artifact = os.path.join(work_dir, f"bert-{batch}x{seq}.tvmdm")
     _probe(_COMPILE, path, json.dumps(bound_shapes(path, batch, seq)), artifact)
-    found = {"tvmdm": _probe(_RUN_TVMDM, artifact, feeds_path)["peak_rss_mb"],
+    found = {"tvmdm": _probe(_RUN_TVMDM, artifact, feeds_path, env={"TVM_USE_RUNTIME_LIB": "1"})["peak_rss_mb"],
              "onnxruntime": _probe(_RUN_ORT, path, feeds_path)["peak_rss_mb"]}
     found["tvmdm_over_onnxruntime"] = found["tvmdm"] / found["onnxruntime"]
     out(f"  run memory at ({batch}, {seq}): tvmdm {found['tvmdm']:.0f} MB, onnxruntime {found['onnxruntime']:.0f} MB "
@@ -224,12 +231,15 @@ def train_step(path: str, model, batch: int, seq: int, *, steps: int = 3, min_ru
         return loss.item()
 
     systems = {"tvmdm": lambda: step.step(dict(feeds, labels=labels)), "torch-eager": torch_step}
-    losses = {name: [fn() for _ in range(steps)] for name, fn in systems.items()}
+    # Each system's steps and timing before the next runs at all: PyTorch's OpenMP threads keep spinning after
+    # its kernels, and a tvmdm step timed after them measured 1.7x slower with a 2.5x spread.
+    losses, timings = {}, []
+    for name, fn in systems.items():
+        losses[name] = [fn() for _ in range(steps)]
+        timings.append(summarize(name, time_until_stable(fn, warmup=0, min_runs=min_runs, max_seconds=max_seconds)))
     gaps = [abs(a - b) / abs(b) for a, b in zip(losses["tvmdm"], losses["torch-eager"])]
     out(f"  losses of {steps} steps: tvmdm {losses['tvmdm']}, torch {losses['torch-eager']} "
         f"(max rel. gap {max(gaps):.2g})")
-    timings = [summarize(name, time_until_stable(fn, warmup=0, min_runs=min_runs, max_seconds=max_seconds))
-               for name, fn in systems.items()]
     eager = timings[1].median_ms
     for t in timings:
         t.vs_torch_eager = t.median_ms / eager
@@ -254,11 +264,18 @@ def data_movement(path: str, batch: int, seq: int, out=print) -> dict:
 
 
 class Results:
-    """The JSON of a run, rewritten as each step ends (a run cut short keeps what it measured)."""
+    """The JSON of a run, rewritten as each step ends (a run cut short keeps what it measured); the steps of an
+    earlier run into the same file stay unless measured again."""
 
     def __init__(self, path: str, size: str):
         self.path = path
-        self.data = {"schema": "tvmdm-bench-hf/1", "size": size}
+        self.data = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.data = json.load(f)
+            if self.data.get("size") != size:
+                self.data = {}
+        self.data.update({"schema": "tvmdm-bench-hf/1", "size": size})
 
     def add(self, key: str, value) -> None:
         self.data[key] = value

@@ -157,13 +157,15 @@ PAPER_KERNELS = FORWARD_KERNELS + BACKWARD_KERNELS  # the pattern kernels, by th
 
 def _sm_pattern(operand):
     """SM: scores contraction (einsum or matmul of two ``operand()``s) [* or / a constant scale] [+ mask],
-    softmax. ``operand`` makes one operand pattern per use: a pattern object used twice must match the
+    softmax [, its NaNs replaced by a constant]. ``operand`` makes one operand pattern per use: a pattern object used twice must match the
     same expression twice."""
     scores = (is_op("relax.einsum")(is_tuple([operand(), operand()]))
               | is_op("relax.matmul")(operand(), operand()))
     scaled = is_op("relax.multiply")(scores, is_const()) | is_op("relax.divide")(scores, is_const()) | scores
     masked = is_op("relax.add")(scaled, wildcard()) | scaled
-    return is_op("relax.nn.softmax")(masked)
+    probs = is_op("relax.nn.softmax")(masked)
+    # torch's export of scaled_dot_product_attention zeroes the NaNs of fully masked rows after the softmax
+    return is_op("relax.where")(is_op("relax.isnan")(probs), is_const(), probs) | probs
 
 
 def paper_patterns() -> list[tuple]:
@@ -281,7 +283,8 @@ def paper_graph_rewrites(layout: str = "bshd") -> tvm.transform.Pass:
     so the backward graph inherits the merged QKV and the transpose-free attention)."""
     # The contractions keep the operand order ONNX gave their bias adds, so kernels the paper's rules leave
     # alone (the FFN's matmul + bias + GELU) are the very kernels stock fusion makes: their tuned records apply.
-    return tvm.transform.Sequential([graph_rewrites.merge_qkv(),
+    return tvm.transform.Sequential([graph_rewrites.merge_qkv(), graph_rewrites.hoist_operand_scales(),
+                                     graph_rewrites.drop_noop_reshapes(),
                                      graph_rewrites.absorb_transposes(**parse_layout(layout))],
                                     name="tvmdm.PaperGraphRewrites")
 

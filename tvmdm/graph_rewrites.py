@@ -6,6 +6,9 @@ They run on the imported graph, before LegalizeOps:
                           times); each old projection is a slice of the packed output, which the attention
                           kernels read in place once fused (the concat of the weights only depends on weights:
                           LiftTransformParams moves it to ``main_transform_params``, run once at load).
+  hoist_operand_scales  - a scale on each operand of the scores contraction (how torch exports
+                          scaled_dot_product_attention) becomes one scale of its output.
+  drop_noop_reshapes    - reshapes to the shape a tensor already has are dropped.
   absorb_transposes     - the attention's permute_dims around its batched contractions are folded into the
                           contractions (einsum with permuted subscripts): Q, K, V and the context are read and
                           written in the projections' [B, S, h, d] layout, and no transpose kernel is left.
@@ -13,6 +16,7 @@ They run on the imported graph, before LegalizeOps:
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 
 
@@ -202,6 +206,91 @@ def merge_qkv() -> tvm.transform.Pass:
                     offset += width
 
         return Merge(mod).visit_expr(func).body
+
+    return rewrite
+
+
+# --- scales on both operands of the scores contraction (scaled_dot_product_attention as exported) -----------
+
+
+def _scalar_constant(expr) -> float | None:
+    """The value of a one-element float constant, else None."""
+    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
+        value = expr.value.numpy()
+        if value.size == 1 and value.dtype.kind == "f":
+            return float(value.reshape(()))
+    return None
+
+
+def hoist_operand_scales() -> tvm.transform.Pass:
+    """matmul(a * c1, b * c2) (4-D, constants c1 and c2 each one element, the products read by nothing else)
+    -> matmul(a, b) * (c1 c2). torch exports scaled_dot_product_attention so (q and k each scaled by
+    sqrt(1/sqrt(d))): left alone, each scale is a pass over Q or K of its own and keeps their transposes out
+    of the contraction; hoisted, absorb_transposes folds them in and SM takes the scale."""
+
+    @_main_pass("HoistOperandScales")
+    def rewrite(mod, func):
+        values, users = bindings_of(func), users_of(func)
+
+        def scaled(var):
+            value = values.get(var)
+            if call_op(value) != "relax.multiply" or users.get(var, 0) != 1:
+                return None
+            for x, c in (value.args, value.args[::-1]):
+                factor = _scalar_constant(c)
+                if factor is not None and _rank(x) == 4:
+                    return x, factor, c.value.dtype
+            return None
+
+        targets = {}
+        for var, value in values.items():
+            if call_op(value) == "relax.matmul" and _rank(var) == 4:
+                a, b = (scaled(arg) if isinstance(arg, relax.Var) else None for arg in value.args)
+                if a is not None and b is not None:
+                    targets[var] = (a, b)
+        if not targets:
+            return None
+
+        @relax.expr_functor.mutator
+        class Hoist(relax.PyExprMutator):
+            def visit_var_binding_(self, binding):
+                if binding.var not in targets:
+                    return super().visit_var_binding_(binding)
+                (a, ca, dtype), (b, cb, _) = targets[binding.var]
+                bb = self.builder_
+                product = bb.emit(relax.op.matmul(self.visit_expr(a), self.visit_expr(b)))
+                scale = relax.const(ca * cb, str(dtype))
+                self.set_var_remap(binding.var, bb.emit(relax.op.multiply(product, scale)))
+                return None
+
+        return Hoist(mod).visit_expr(func).body
+
+    # the operands' multiplies are dead once the contraction reads a and b
+    return tvm.transform.Sequential([rewrite, relax.transform.DeadCodeElimination()],
+                                    name="tvmdm.HoistOperandScales")
+
+
+def drop_noop_reshapes() -> tvm.transform.Pass:
+    """reshape(x) to x's own shape -> x (the legacy exporter writes one between the context contraction and
+    its transpose, which would keep absorb_transposes from folding that transpose in)."""
+
+    @_main_pass("DropNoopReshapes")
+    def rewrite(mod, func):
+        values = bindings_of(func)
+        same = {var for var, value in values.items() if call_op(value) == "relax.reshape"
+                and tvm_ffi.structural_equal(var.ty, value.args[0].ty)}
+        if not same:
+            return None
+
+        @relax.expr_functor.mutator
+        class Drop(relax.PyExprMutator):
+            def visit_var_binding_(self, binding):
+                if binding.var not in same:
+                    return super().visit_var_binding_(binding)
+                self.set_var_remap(binding.var, self.visit_expr(values[binding.var].args[0]))
+                return None
+
+        return Drop(mod).visit_expr(func).body
 
     return rewrite
 
