@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from tvmdm.bench import check_agreement, format_table, summarize, time_until_stable
+from tvmdm.bench import check_and_time, format_table, summarize, time_until_stable
 
 SIZES = {"base": [(1, 128), (8, 128), (1, 512)], "tiny-12": [(1, 16), (2, 8), (1, 40)]}
 TRAIN_SIZE = {"base": (8, 128), "tiny-12": (2, 8)}
@@ -171,14 +171,8 @@ def latencies(path: str, model, sizes, *, min_runs: int = 5, max_seconds: float 
         systems = {"onnxruntime": ort, "onnxruntime-bert-opt": ort_opt, "tvmdm": bound.run,
                    "tvmdm[symbolic]": symbolic.run, "torch-eager": torch_run}
         feeds = sample_feeds("bert", model, batch, seq)
-        reference = ort(feeds)
-        agreement, timings = {}, []
-        for name, run in systems.items():  # each checked right before it is timed: PyTorch last (see train_step)
-            agreement.update(check_agreement({name: run}, feeds, reference))
-            timings.append(summarize(name, time_until_stable(lambda r=run: r(feeds), min_runs=min_runs,
-                                                             max_seconds=max_seconds)))
-        for t in timings:
-            t.vs_onnxruntime = t.median_ms / timings[0].median_ms
+        agreement, timings = check_and_time(systems, feeds, ort(feeds), min_runs=min_runs, max_seconds=max_seconds,
+                                            out=lambda line: None)
         out(f"batch {batch}, seq {seq}:")
         for line in format_table(timings):
             out("  " + line)
