@@ -75,3 +75,31 @@ def test_damaged_artifacts(tmp_path, tiny_compiled):
     cut.write_bytes(open(good, "rb").read()[:3000])
     with pytest.raises(tvmdm.ArtifactError, match="not a tvmdm artifact or damaged"):
         tvmdm.load(cut)
+
+
+def test_deployed_runner_needs_only_tvms_runtime_library(tmp_path, tiny_compiled):
+    # TVM_USE_RUNTIME_LIB=1: TVM loads libtvm_runtime alone; loading and running must not need the compiler
+    # (tvmdm imports it lazily) and the weights are on the device only, read again from the file when asked.
+    artifact = tiny_compiled.export(tmp_path / "tiny.tvmdm")
+    feeds = tvmdm.random_inputs(tiny_compiled, batch=2, seq=5)
+    np.savez(tmp_path / "in.npz", **feeds)
+    check = textwrap.dedent("""
+        import sys
+        maps = open("/proc/self/maps").read()
+        assert "libtvm_compiler" not in maps, "the compiler library was loaded"
+        assert "tvm.relax" not in sys.modules and "onnx" not in sys.modules, sorted(sys.modules)
+        names = list(runner.params())
+        assert not runner._host_params and names == runner._param_names, names
+        print("runtime only")
+    """)
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_RUN + check, artifact, str(tmp_path / "in.npz")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "runtime only" in proc.stdout
+    with np.load(tmp_path / "in.npz.out.npz") as out:
+        np.testing.assert_array_equal(out["arr_0"], tiny_compiled.run(feeds)[0])
+    loaded = tvmdm.load(artifact)
+    loaded.run(feeds)
+    for name, value in tiny_compiled.params().items():
+        np.testing.assert_array_equal(loaded.params()[name], value)
