@@ -27,7 +27,8 @@ def tile_dividing(extent, tiles) -> int:
 
 def splits_evenly(extent, factor: int) -> bool:
     """Whether a loop of ``extent`` splits into whole ``factor``-long pieces, a symbolic extent taken as yes: its
-    partial last piece is guarded by the split's predicate, which TVM's LoopPartition peels off the loop."""
+    partial last piece is guarded by the split's predicate (for loops whose blocks keep no local buffer per
+    piece; see tile_dividing)."""
     return not isinstance(extent, tirx.IntImm) or int(extent) % factor == 0
 
 

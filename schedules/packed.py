@@ -26,7 +26,9 @@ from schedules.transposes import tile_transpose
 from tvmdm.precision import FP32_GEMM_BLOCK, FP32_PACK_BLOCK as PACK_BLOCK, TRANSPOSED_ROWS_BLOCK
 from tvmdm.target import vector_lanes
 
-ROWS = {16: 8, 8: 4}  # rows per register tile (each divides precision.ROW_PAD), by vector lanes (AVX-512: 8 x 3 accumulators of 32 registers)
+# rows per register tile, by vector lanes (AVX-512: 8 x 3 accumulators of 32 registers); each divides
+# precision.ROW_PAD, the tile symbolic rows are padded to
+ROWS = {16: 8, 8: 4}
 PANEL_VECTORS = 3
 TILE = 8  # rows per tile of the transposing copies
 
