@@ -85,32 +85,27 @@ print(json.dumps({{"seconds": seconds, "peak_rss_mb": peak, "stages": compiled.t
                   "tuned": len(compiled.tuned_kernels)}}))
 """
 
+# Load the model (sys.argv[1]) as ``load`` says, run it 3 times on the feeds in sys.argv[2], print the peak.
+_RUN = """
+import json, sys
+import numpy as np
+{load}
+feeds = dict(np.load(sys.argv[2]))
+for _ in range(3):
+    run(feeds)
+{peak}
+print(json.dumps({{"peak_rss_mb": peak}}))
+"""
 # A deployment: TVM's runtime library alone (TVM_USE_RUNTIME_LIB, set by run_memory) and no torch (tvm_ffi
 # imports it when installed: 180 MB; the core dependencies do not include it).
-_RUN_TVMDM = f"""
-import json, sys
+_RUN_TVMDM = _RUN.format(peak=_PEAK, load="""
 sys.modules["torch"] = None
-import numpy as np
 import tvmdm
-runner = tvmdm.load(sys.argv[1])
-feeds = dict(np.load(sys.argv[2]))
-for _ in range(3):
-    runner.run(feeds)
-{_PEAK}
-print(json.dumps({{"peak_rss_mb": peak}}))
-"""
-
-_RUN_ORT = f"""
-import json, sys
-import numpy as np
+run = tvmdm.load(sys.argv[1]).run""")
+_RUN_ORT = _RUN.format(peak=_PEAK, load="""
 import onnxruntime as ort
 session = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
-feeds = dict(np.load(sys.argv[2]))
-for _ in range(3):
-    session.run(None, feeds)
-{_PEAK}
-print(json.dumps({{"peak_rss_mb": peak}}))
-"""
+run = lambda feeds: session.run(None, feeds)""")
 
 
 def bound_shapes(path: str, batch: int, seq: int) -> dict:
