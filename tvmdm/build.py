@@ -203,9 +203,10 @@ def packed_lanes(tuning_logs, target, precision: str, symbolic: bool = False) ->
 
 
 def has_symbolic_inputs(mod: tvm.IRModule) -> bool:
-    """Whether any input of ``main`` has a symbolic dim."""
-    return any(not isinstance(d, tvm.tirx.IntImm) for param in mod["main"].params
-               for d in getattr(getattr(param.ty, "shape", None), "values", ()))
+    """Whether any tensor input of ``main`` has a symbolic dim."""
+    from tvmdm.graph_rewrites import static_shape
+
+    return any(getattr(p.ty, "shape", None) is not None and static_shape(p) is None for p in mod["main"].params)
 
 
 def _schedule(mod, target, tuning_logs, precision: str = "fp32",

@@ -157,8 +157,8 @@ PAPER_KERNELS = FORWARD_KERNELS + BACKWARD_KERNELS  # the pattern kernels, by th
 
 def _sm_pattern(operand):
     """SM: scores contraction (einsum or matmul of two ``operand()``s) [* or / a constant scale] [+ mask],
-    softmax [, its NaNs replaced by a constant]. ``operand`` makes one operand pattern per use: a pattern object used twice must match the
-    same expression twice."""
+    softmax [, its NaNs replaced by a constant]. ``operand`` makes one operand pattern per use: a pattern
+    object used twice must match the same expression twice."""
     scores = (is_op("relax.einsum")(is_tuple([operand(), operand()]))
               | is_op("relax.matmul")(operand(), operand()))
     scaled = is_op("relax.multiply")(scores, is_const()) | is_op("relax.divide")(scores, is_const()) | scores
