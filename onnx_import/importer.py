@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 
 from onnx_import.loader import load_model_proto
-from tvmdm.errors import ShapeError, UnsupportedOperatorError
-from tvmdm.spec import TensorSpec
+from tvmdm.core.errors import ShapeError, UnsupportedOperatorError
+from tvmdm.core.spec import TensorSpec
 
 
 @dataclasses.dataclass
@@ -133,15 +133,15 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto", shapes: dict | Non
     unbound symbolic dims stay symbolic (one compiled module then serves many (batch, seq))."""
     from tvm import relax
 
-    from tvmdm import compat
+    from onnx_import import frontend_fixes
 
-    compat.patch_onnx_frontend()
+    frontend_fixes.patch_onnx_frontend()
     proto, source = load_model_proto(model)
     onnx_inputs = onnx_input_specs(proto)
     shapes = dict(shapes or {})
     _check_bound_shapes(onnx_inputs, shapes, source)
     _check_supported_ops(proto, source)
-    tvm_proto = compat.constants_as_nodes(proto)
+    tvm_proto = frontend_fixes.constants_as_nodes(proto)
     # TVM prints a line before re-raising converter errors and warns about dynamic dims: we report both ourselves.
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
@@ -149,7 +149,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto", shapes: dict | Non
             mod = relax.frontend.onnx.from_onnx(tvm_proto, shape_dict={k: list(v) for k, v in shapes.items()},
                                                 dtype_dict={s.name: s.dtype for s in onnx_inputs},
                                                 keep_params_in_input=True)
-        except compat.ConverterError as err:
+        except frontend_fixes.ConverterError as err:
             raise UnsupportedOperatorError(f"{source}: {err}") from None
     mod, detached = relax.frontend.detach_params(mod)
     main = mod["main"]

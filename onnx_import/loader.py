@@ -12,7 +12,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
-from tvmdm.errors import ModelLoadError
+from tvmdm.core.errors import ModelLoadError
 
 
 def load_model_proto(model: "str | os.PathLike | onnx.ModelProto") -> tuple[onnx.ModelProto, str]:

@@ -15,11 +15,11 @@ Zen 4 VM without AVX-512 the first version had taken SM from 143 to 12.5 ms.
 """
 from __future__ import annotations
 
-import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule
 
-from schedules.apply import apply_hand_schedule
+from schedules.rule import ScheduleRule
+from tvmdm.core.target import vector_lanes
 from schedules.default import splits_evenly, tile_dividing
 
 SCORES_BLOCK = "T_einsum"
@@ -229,7 +229,13 @@ def schedule_context(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def apply_attention_schedules(mod: tvm.IRModule, lanes: int) -> tuple[tvm.IRModule, list[str]]:
-    """Scores kernels not scheduled yet (no log record) get schedule_scores, P V contractions schedule_context;
-    returns the module and their names."""
-    return apply_hand_schedule(mod, lambda func: schedule_scores(func, lanes) or schedule_context(func, lanes))
+class AttentionKernels(ScheduleRule):
+    """The paper's attention kernels (SM's scores and the context contraction), on CPUs."""
+
+    name = "attention"
+
+    def schedule(self, func, options):
+        if not options.on_cpu:
+            return None
+        lanes = vector_lanes(options.target)
+        return schedule_scores(func, lanes) or schedule_context(func, lanes)

@@ -6,8 +6,8 @@ micro-kernel keeps ROWS x (16 * VECTORS) accumulators in registers over a block 
 parallel over the cores. Epilogues fused after the contraction (bias, GELU, residual) are computed per tile
 from the accumulators, in fp32.
 
-The instruction is reached through compat.DPBF16PS_LLVM, a function in LLVM IR linked into the module (the
-``pragma_import_llvm`` annotation) and inlined by LLVM: TVM 0.27 cannot emit it directly (see compat). The TIR
+The instruction is reached through schedules.dpbf16ps, a function in LLVM IR linked into the module (the
+``pragma_import_llvm`` annotation) and inlined by LLVM: TVM 0.27 cannot emit it directly (see schedules.dpbf16ps). The TIR
 keeps the bf16 bits in uint16 / int32 vectors; the loop body becomes one vdpbf16ps.
 """
 from __future__ import annotations
@@ -20,12 +20,11 @@ from tvm.s_tir import Schedule, TensorIntrin
 from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.script import tirx as T
 
-from schedules.apply import is_scheduled
+from schedules.rule import FLOPS_ATTR, ScheduleRule
 from schedules.packed import epilogue_into_tile, has_block, schedule_tiled_transpose
 from schedules.default import inline_elementwise
-from tvmdm import compat
-from tvmdm.precision import GEMM_BLOCK, LANES, PAIR, TRANSPOSED_BLOCK, bf16_value
-from tvmdm.profile import FLOPS_ATTR
+from schedules.dpbf16ps import DPBF16PS_FUNCTION, DPBF16PS_LLVM
+from tvmdm.transform.kernels import GEMM_BLOCK, LANES, PAIR, TRANSPOSED_BLOCK, bf16_value
 
 INTRIN = "tvmdm_dot_16x2_bf16"
 CPU_FEATURE = "avx512bf16"  # LLVM's name; /proc/cpuinfo says avx512_bf16
@@ -52,7 +51,7 @@ def _dot_impl(a: T.Buffer((PAIR,), "uint16", offset_factor=1), w: T.Buffer((LANE
         T.writes(c[0:LANES])
         pair = T.reinterpret(a.vload([0], "uint16x2"), dtype="int32")
         c[T.ramp(T.int32(0), 1, LANES)] = T.call_pure_extern(
-            "float32x16", compat.DPBF16PS_FUNCTION, c.vload([0], "float32x16"), T.broadcast(pair, LANES),
+            "float32x16", DPBF16PS_FUNCTION, c.vload([0], "float32x16"), T.broadcast(pair, LANES),
             T.reinterpret(w.vload([0, 0], "uint16x32"), dtype="int32x16"))
 
 
@@ -97,7 +96,7 @@ def schedule_bf16_gemm(func: tirx.PrimFunc, rows: int | None = None, vectors: in
     sch.unroll(mi)
     sch.unroll(nv)
     sch.tensorize(ni, INTRIN)
-    sch.annotate(tile, "pragma_import_llvm", compat.DPBF16PS_LLVM)
+    sch.annotate(tile, "pragma_import_llvm", DPBF16PS_LLVM)
     sch.vectorize(sch.get_loops(init)[-1])
     epilogue_into_tile(sch, acc, tile, LANES)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
@@ -112,34 +111,33 @@ def schedule_transposed_conversion(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return schedule_tiled_transpose(func, TRANSPOSED_BLOCK, TRANSPOSE_TILE)
 
 
-def apply_bf16_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[tvm.IRModule, list[str]]:
-    """Schedule every kernel with a bf16 contraction block; returns the module and their names. On a CPU
-    without AVX512-BF16 nothing is done here: the default schedule computes the same numbers in fp32 FMAs
-    (bf16 values are exact in fp32), slower (a warning says so)."""
-    done = []
-    if not has_bf16_dot(target):
-        if any(isinstance(f, tirx.PrimFunc) and has_block(f, GEMM_BLOCK) for f in mod.functions.values()):
-            warnings.warn(f"target {target} has no AVX512-BF16 dot product: the bf16 contractions run on a "
-                          "generic fp32 schedule (same results, slower)", stacklevel=3)
-        return mod, done
-    for gv, func in list(mod.functions.items()):
-        if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
-            continue
+class Bf16Contractions(ScheduleRule):
+    """precision="bf16" on a CPU: every kernel with a bf16 contraction block on the vdpbf16ps micro-kernel, and
+    the transposing conversions of weight gradients in tiles. On a CPU without AVX512-BF16 nothing is taken:
+    the default schedule computes the same numbers in fp32 FMAs (bf16 values are exact in fp32), slower (one
+    warning says so)."""
+
+    name = "bf16 contractions"
+
+    def apply(self, kernels: dict, options) -> dict:
+        if not (options.on_cpu and options.precision == "bf16"):
+            return {}
+        if not has_bf16_dot(options.target):
+            if any(has_block(f, GEMM_BLOCK) for f in kernels.values()):
+                warnings.warn(f"target {options.target} has no AVX512-BF16 dot product: the bf16 contractions run "
+                              "on a generic fp32 schedule (same results, slower)", stacklevel=2)
+            return {}
+        return super().apply(kernels, options)
+
+    def schedule(self, func, options):
         if has_block(func, TRANSPOSED_BLOCK):
-            try:
-                mod[gv] = schedule_transposed_conversion(func.with_attr("global_symbol", gv.name_hint))
-                done.append(gv.name_hint)
-            except Exception:  # noqa: BLE001 - a fused shape the tiling does not fit: default schedule
-                pass
-            continue
+            return schedule_transposed_conversion(func)
         if not has_block(func, GEMM_BLOCK):
-            continue
-        flops = int(estimate_tir_flops(tvm.IRModule({gv: func})))
-        mod[gv] = schedule_bf16_gemm(func.with_attr("global_symbol", gv.name_hint)).with_attr(FLOPS_ATTR, flops)
-        done.append(gv.name_hint)
-    return mod, done
+            return None
+        flops = int(estimate_tir_flops(tvm.IRModule({"main": func})))
+        return schedule_bf16_gemm(func).with_attr(FLOPS_ATTR, flops)
 
 
 def hand_scheduled(func: tirx.PrimFunc, target: tvm.target.Target) -> bool:
-    """Whether apply_bf16_schedules takes this kernel (so tuning it would be wasted)."""
+    """Whether Bf16Contractions takes this kernel (so tuning it would be wasted)."""
     return has_bf16_dot(target) and (has_block(func, GEMM_BLOCK) or has_block(func, TRANSPOSED_BLOCK))

@@ -13,6 +13,8 @@ from tvm import tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir import schedule as sch_mod
 
+from schedules.rule import ScheduleRule
+
 VECTOR_LANES = 16  # 512-bit vectors of fp32
 
 
@@ -136,3 +138,15 @@ def apply_gpu_rules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModul
     for gv, func in out.items():
         mod[gv] = func
     return mod
+
+
+class DefaultSchedule(ScheduleRule):
+    """The last rule: every kernel no other rule took (CPU: parallel + vectorized loops; CUDA: dlight's rules)."""
+
+    name = "default"
+    hand_written = False
+
+    def apply(self, kernels: dict, options) -> dict:
+        mod = apply_default_schedules(tvm.IRModule(kernels), options.target)
+        ours = {gv.name_hint: gv for gv in kernels}
+        return {ours[gv.name_hint]: f for gv, f in mod.functions.items() if gv.name_hint in ours}

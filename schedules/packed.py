@@ -1,6 +1,6 @@
 """fp32 contractions on packed weights, scheduled by hand on CPUs that have no tuned records.
 
-tvmdm.precision.packed_fp32_contractions stores each weight as panels of PANEL_VECTORS vectors' worth of
+tvmdm.transform.precision.packed_fp32_contractions stores each weight as panels of PANEL_VECTORS vectors' worth of
 columns, contiguous over K ([N/lanes, K, lanes, 1], packed once at load). The micro-kernel keeps rows x
 PANEL_VECTORS vector accumulators in registers (ROWS by vector width: 4 x 3 fits AVX2's 16 registers, 8 x 3
 AVX-512's 32); each k loads one panel row (PANEL_VECTORS vectors, contiguous) and broadcasts the rows'
@@ -20,11 +20,11 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule
 
-from schedules.apply import apply_hand_schedule
+from schedules.rule import DOES_NOT_FIT, ScheduleRule
 from schedules.default import inline_elementwise, tile_dividing
 from schedules.transposes import tile_transpose
-from tvmdm.precision import FP32_GEMM_BLOCK, FP32_PACK_BLOCK as PACK_BLOCK, TRANSPOSED_ROWS_BLOCK
-from tvmdm.target import vector_lanes
+from tvmdm.transform.kernels import FP32_GEMM_BLOCK, FP32_PACK_BLOCK as PACK_BLOCK, TRANSPOSED_ROWS_BLOCK
+from tvmdm.core.target import vector_lanes
 
 # rows per register tile, by vector lanes (AVX-512: 8 x 3 accumulators of 32 registers); each divides
 # precision.ROW_PAD, the tile symbolic rows are padded to
@@ -137,21 +137,22 @@ def has_block(func: tirx.PrimFunc, name: str) -> bool:
         return False
 
 
-def apply_packed_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[tvm.IRModule, list[str]]:
-    """Schedule every kernel of the packed fp32 contractions (the contraction, the packing, the transposed X);
-    returns the module and their names."""
-    lanes = vector_lanes(target)
-    rules = ((FP32_GEMM_BLOCK, lambda f: schedule_packed_gemm(f, lanes)), (PACK_BLOCK, schedule_weight_pack),
-             (TRANSPOSED_ROWS_BLOCK, lambda f: schedule_tiled_transpose(f, TRANSPOSED_ROWS_BLOCK)))
+class PackedContractions(ScheduleRule):
+    """The packed fp32 contractions' kernels (the contraction, the weight packing, the transposed X), on CPUs."""
 
-    def schedule(func):
+    name = "packed contractions"
+
+    def schedule(self, func, options):
+        if not options.on_cpu:
+            return None
+        lanes = vector_lanes(options.target)
+        rules = ((FP32_GEMM_BLOCK, lambda f: schedule_packed_gemm(f, lanes)), (PACK_BLOCK, schedule_weight_pack),
+                 (TRANSPOSED_ROWS_BLOCK, lambda f: schedule_tiled_transpose(f, TRANSPOSED_ROWS_BLOCK)))
         sch = Schedule(func)  # one lookup per kernel for all three block names
         for block, rule in rules:
             try:
                 sch.get_sblock(block)
-            except Exception:  # noqa: BLE001 - get_sblock raises when there is no such block
+            except DOES_NOT_FIT:  # get_sblock raises when there is no such block
                 continue
             return rule(func)
         return None
-
-    return apply_hand_schedule(mod, schedule)

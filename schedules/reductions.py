@@ -9,11 +9,10 @@ tiles of rows each, then the column sums (base layer, Sapphire Rapids VM: 1.20 -
 Scheduled before the logs apply (their records of these kernels are worse) and left out of tuning."""
 from __future__ import annotations
 
-import tvm
 from tvm import tirx
 from tvm.s_tir import schedule as sch_mod
 
-from schedules.apply import apply_hand_schedule, finds_block
+from schedules.rule import ScheduleRule, finds_block
 from schedules.default import inline_elementwise
 from schedules.rows import is_row_reduction, reductions_in_row_tiles
 
@@ -71,6 +70,10 @@ def schedule_column_reduction(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def apply_reduction_schedules(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[str]]:
-    """Schedule every unscheduled column reduction of ``mod`` (llvm); returns the module and their names."""
-    return apply_hand_schedule(mod, schedule_column_reduction)
+class ColumnReductions(ScheduleRule):
+    """Column reductions (a bias gradient: the sum over rows), by hand on CPUs."""
+
+    name = "column reductions"
+
+    def schedule(self, func, options):
+        return schedule_column_reduction(func) if options.on_cpu else None

@@ -11,11 +11,11 @@ LayerNorm 0.19 -> 0.13, BLNRD 1.02 -> 0.21, BS 0.58 -> 0.33; softmax as fast as 
 """
 from __future__ import annotations
 
-import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule
 
-from schedules.apply import apply_hand_schedule
+from schedules.rule import ScheduleRule
+from tvmdm.core.target import vector_lanes
 from schedules.default import inline_elementwise, tile_dividing
 
 ROW_TILE = 4  # rows per task: a few KB of each input, in L1 across the reductions
@@ -99,6 +99,10 @@ def schedule_row_normalization(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def apply_row_schedules(mod: tvm.IRModule, lanes: int) -> tuple[tvm.IRModule, list[str]]:
-    """Every unscheduled row-wise normalization of ``mod`` (llvm); returns the module and their names."""
-    return apply_hand_schedule(mod, lambda func: schedule_row_normalization(func, lanes))
+class RowNormalizations(ScheduleRule):
+    """Row-wise normalizations (LayerNorm, BDRLN, softmax, BLNRD) a tile of rows per task, on CPUs."""
+
+    name = "row normalizations"
+
+    def schedule(self, func, options):
+        return schedule_row_normalization(func, vector_lanes(options.target)) if options.on_cpu else None

@@ -8,13 +8,16 @@ builder's batch in flight kept SIGINT waiting over 60 s. Here:
 - ``JoinEachBatch`` joins every batch as soon as it has been sent (its records are in the database before the
   next batch is searched for) and gives no new task once ``stop()`` says so;
 - ``StoppableBuilder`` builds a batch a pool's worth of candidates at a time and builds no more once
-  ``stop()`` says so; the candidates it skipped come back as STOPPED build errors,
+  ``stop()`` says so, nor a chunk that the chunks before it say would end after the deadline; the candidates
+  it skipped come back as STOPPED build errors,
 - which ``CommitMeasured`` leaves out of the database (MetaSchedule's AddToDatabase would store them as
   1e10 s records, counted as trials and never retried).
 
 So an interrupt stops the run within one chunk of builds (a few seconds), keeping everything measured.
 """
 from __future__ import annotations
+
+import time
 
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
@@ -59,19 +62,33 @@ class JoinEachBatch(PyTaskScheduler):
 
 @derived_object
 class StoppableBuilder(PyBuilder):
-    """``inner`` (a LocalBuilder) on ``chunk`` candidates at a time, none after ``stop()``."""
+    """``inner`` (a LocalBuilder) on ``chunk`` candidates at a time, none after ``stop()``. With a ``deadline``
+    (a ``clock()`` time), once ``measured()`` says a batch is in the log, a chunk starts only if the longest
+    chunk so far would end before the deadline: the run stops starting builds that cannot finish in time
+    instead of overrunning by them. Until then it builds (a run that measures nothing wastes all its time)."""
 
-    def __init__(self, inner, stop, chunk: int):
+    def __init__(self, inner, stop, chunk: int, deadline: float | None = None, measured=lambda: True,
+                 clock=time.perf_counter):
         super().__init__()
         self.inner, self.stop, self.chunk = inner, stop, max(1, chunk)
+        self.deadline, self.measured, self.clock = deadline, measured, clock
+        self.longest_chunk = 0.0  # seconds
+        self.out_of_time = False  # a chunk was refused for the deadline: the run may as well end
+
+    def fits_before_deadline(self) -> bool:
+        return self.deadline is None or not self.measured() or \
+            self.clock() + self.longest_chunk <= self.deadline
 
     def build(self, build_inputs):
         results = []
         for start in range(0, len(build_inputs), self.chunk):
-            if self.stop():
+            if self.stop() or not self.fits_before_deadline():
+                self.out_of_time = self.out_of_time or not self.fits_before_deadline()
                 results += [BuilderResult(None, STOPPED) for _ in build_inputs[start:]]
                 break
+            t0 = self.clock()
             results += list(self.inner.build(build_inputs[start:start + self.chunk]))
+            self.longest_chunk = max(self.longest_chunk, self.clock() - t0)
         return results
 
 

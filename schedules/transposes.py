@@ -5,11 +5,10 @@ contractions need): the default rule walks B row by row and reads A a column at 
 Scheduled before the logs apply and left out of tuning, like schedules.reductions."""
 from __future__ import annotations
 
-import tvm
 from tvm import tirx
 from tvm.s_tir import schedule as sch_mod
 
-from schedules.apply import apply_hand_schedule, finds_block
+from schedules.rule import ScheduleRule, finds_block
 
 TILE = 8  # measured best on the [768, 3072] weight (see above)
 
@@ -60,6 +59,10 @@ def schedule_transpose(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def apply_transpose_schedules(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[str]]:
-    """Schedule every unscheduled 2-D transpose of ``mod`` (llvm); returns the module and their names."""
-    return apply_hand_schedule(mod, schedule_transpose)
+class Transposes(ScheduleRule):
+    """2-D transposes in square tiles, on CPUs."""
+
+    name = "transposes"
+
+    def schedule(self, func, options):
+        return schedule_transpose(func) if options.on_cpu else None

@@ -1,9 +1,4 @@
-import os
-import sys
-
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))  # for the helpers beside the tests (tolerance, cpu_kinds)
 
 
 @pytest.fixture(scope="session")
@@ -11,7 +6,7 @@ def hf_export(tmp_path_factory):
     """hf_export(family, dynamo=, dynamic=, opset=, size=) -> path of a real transformers export, made once per session."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from tvmdm import hf_export as hf_exports
+    from tvmdm.models import hf_export as hf_exports
 
     root = tmp_path_factory.mktemp("hf")
     cache = {}

@@ -12,25 +12,27 @@ Public API:
         DataParallel(step) averages its gradients over a torch.distributed group; precision="bf16" / "fp16"
         and LossScaler (dynamic loss scaling) for mixed-precision training
 """
-from tvmdm import compat as _compat
+from tvmdm.core.threads import use_all_cores as _use_all_cores
 
-_compat.use_all_cores()  # before any TVM kernel runs: the thread pool reads it once
+_use_all_cores()  # before any TVM kernel runs: the thread pool reads it once
 
 import importlib  # noqa: E402
 
-from tvmdm.artifact import load  # noqa: E402
-from tvmdm.errors import (ArtifactError, InputError, ModelLoadError, ShapeError, TargetError, TvmdmError,  # noqa: E402
-                          UnsupportedOperatorError)
-from tvmdm.inputs import random_inputs  # noqa: E402
-from tvmdm.spec import TensorSpec  # noqa: E402
+from tvmdm.runtime.artifact import load
+from tvmdm.core.errors import ArtifactError, InputError, ModelLoadError, ShapeError, TargetError, TvmdmError, UnsupportedOperatorError
+from tvmdm.runtime.inputs import random_inputs
+from tvmdm.core.spec import TensorSpec
 
 # The rest is imported on first use: loading and running an artifact needs TVM's runtime alone (the compiler,
 # Relax and onnx stay unloaded; see tvmdm.runtime), and the model builder needs onnx.
 _LAZY = {
-    "tvmdm.analysis": ("Report", "analyze"),
-    "tvmdm.build": ("CheckResult", "Compiled", "compile"),
-    "tvmdm.distributed": ("DataParallel",),
-    "tvmdm.train": ("AdamW", "LossScaler", "TrainStep", "compile_train_step", "load_train_step"),
+    "tvmdm.analysis.report": ("Report", "analyze"),
+    "tvmdm.build.compiled": ("Compiled", "compile"),
+    "tvmdm.build.check": ("CheckResult",),
+    "tvmdm.core.options": ("Options",),
+    "tvmdm.train.distributed": ("DataParallel",),
+    "tvmdm.train.step": ("TrainStep", "compile_train_step", "load_train_step"),
+    "tvmdm.train.graph": ("AdamW", "LossScaler"),
     "tvmdm.models": ("default_model", "default_dims", "DEFAULT_MODELS"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
@@ -38,7 +40,7 @@ _HOME = {name: module for module, names in _LAZY.items() for name in names}
 __version__ = "0.1.0"
 
 __all__ = [
-    "compile", "load", "analyze", "compile_train_step", "load_train_step", "TrainStep", "AdamW", "LossScaler", "DataParallel", "Report", "Compiled", "CheckResult", "TensorSpec",
+    "compile", "load", "analyze", "Options", "compile_train_step", "load_train_step", "TrainStep", "AdamW", "LossScaler", "DataParallel", "Report", "Compiled", "CheckResult", "TensorSpec",
     "TvmdmError", "ModelLoadError", "UnsupportedOperatorError", "ShapeError", "TargetError", "InputError", "ArtifactError",
     "default_model", "default_dims", "random_inputs", "DEFAULT_MODELS",
 ]

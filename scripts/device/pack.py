@@ -5,7 +5,7 @@
 The GPU machine reaches no package registry and has Python 3.12 with torch, onnx, onnxruntime, matplotlib,
 psutil and cloudpickle, but no TVM. apache-tvm's wheel is ~100 MB, over one call's limit, so it is split in
 two: .device/a travels with the first call (scripts/device/stage.sh), .device/b with the second
-(scripts/device/run_gpu.sh), which joins the halves, installs and runs ``python -m tvmdm.gpu_run``. The pins
+(scripts/device/run_gpu.sh), which joins the halves, installs and runs ``python -m tvmdm.bench.gpu_run``. The pins
 are read from pyproject.toml so the GPU runs the versions CI tests.
 """
 import glob

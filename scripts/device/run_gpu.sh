@@ -15,4 +15,4 @@ cp .device/b/*.whl /tmp/tvmdm-wheels/
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     /tmp/tvmdm-wheels/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -m tvmdm.gpu_run "$out" "$@"
+python3 -m tvmdm.bench.gpu_run "$out" "$@"

@@ -1,0 +1,101 @@
+"""Tuning logs: which shipped logs suit a target, and the rule that applies their records."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import tvm
+from tvm import relax
+
+from schedules.database import TuningLogWarning, load_database
+from schedules.rule import ScheduleRule, is_scheduled
+from tvmdm.core.target import vector_bits
+
+SHIPPED_LOGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tuning_logs")
+META = "meta.json"
+
+
+def shipped_logs(target) -> list[str]:
+    """The shipped log directories tuned for ``target`` (their meta.json says for which): a target kind
+    ("llvm") takes every log of that kind; an llvm Target only those tuned on a CPU whose vector features it
+    has (see tuned_wider; the others are named in one warning)."""
+    if not os.path.isdir(SHIPPED_LOGS):
+        return []
+    kind = target if isinstance(target, str) else target.kind.name
+    found, skipped = [], []
+    for name in sorted(os.listdir(SHIPPED_LOGS)):
+        meta = os.path.join(SHIPPED_LOGS, name, META)
+        if not os.path.isfile(meta):
+            continue
+        with open(meta) as f:
+            info = json.load(f)
+        if info.get("target_kind") != kind:
+            continue
+        if not isinstance(target, str) and tuned_wider(info, target):
+            skipped.append(name)
+        else:
+            found.append(os.path.join(SHIPPED_LOGS, name))
+    if skipped and tuple(skipped) not in _WARNED:
+        _WARNED.add(tuple(skipped))
+        warnings.warn(f"shipped tuning logs {', '.join(skipped)} were tuned for wider vector registers than this "
+                      f"CPU's ({vector_bits(target)}-bit): not applied (their schedules run 2-3x slower here than "
+                      "tvmdm's own packed contractions; `tvmdm tune` tunes for this CPU)", TuningLogWarning,
+                      stacklevel=5)  # the caller of compile / compile_train_step
+    return found
+
+
+_WARNED: set = set()  # sets of skipped logs already named in this process
+
+
+def tuned_on_this_cpu(logs_dir, target: tvm.target.Target) -> bool:
+    """Whether a log's records were tuned on ``target``'s CPU model (meta.json's mcpu, as LLVM names it). Tuned
+    register tiles suit the CPU they were measured on: the Zen 4 logs ran the base layer's contractions at
+    68-85 % of the GEMM peak on a Sapphire Rapids VM, where schedules.packed reaches 91-97 %. A log without
+    meta.json (one a user tuned and passed) is taken to be tuned here."""
+    meta_path = os.path.join(os.fspath(logs_dir), META)
+    if target.kind.name != "llvm" or not os.path.isfile(meta_path):
+        return True
+    with open(meta_path) as f:
+        tuned = json.load(f).get("target")
+    if not tuned:
+        return True
+    tuned = tvm.target.Target(json.loads(tuned))
+    return str(tuned.attrs.get("mcpu", "")) == str(target.attrs.get("mcpu", "")) and not (
+        vector_bits(tuned) > vector_bits(target))
+
+
+def tuned_wider(meta: dict, target: tvm.target.Target) -> bool:
+    """Whether the log was tuned (``meta["target"]``) for wider vector registers than ``target`` has: records
+    tuned with AVX-512's 32 registers in mind spill on AVX2 (the same CPU model with AVX-512 masked by its VM:
+    56 GFLOP/s against 147 for schedules.packed). Other feature differences (a missing GFNI, say) keep the log."""
+    if target.kind.name != "llvm" or "target" not in meta:
+        return False
+    return vector_bits(tvm.target.Target(json.loads(meta["target"]))) > vector_bits(target)
+
+
+class TuningRecords(ScheduleRule):
+    """The best tuned schedule of every kernel the logs (``options.tuning_logs``, the first directory with a
+    record wins) have a record for. ``first``: this instance is the one placed before our hand-written
+    attention and row schedules, which applies when ``options.records_first`` (the records were tuned on this
+    CPU model); the other, after them, applies otherwise. A missing or corrupt log warns (naming the file and
+    line) and applies nothing."""
+
+    hand_written = False
+
+    def __init__(self, first: bool):
+        self.first = first
+        self.name = "tuning records"
+
+    def apply(self, kernels: dict, options) -> dict:
+        if options.records_first != self.first or not options.tuning_logs:
+            return {}
+        mod = tvm.IRModule(kernels)
+        for logs_dir in options.tuning_logs:
+            database = load_database(os.fspath(logs_dir))
+            if database is None:
+                continue
+            with options.target, database:
+                mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+        ours = {gv.name_hint: gv for gv in kernels}
+        return {ours[gv.name_hint]: f for gv, f in mod.functions.items() if gv.name_hint in ours and is_scheduled(f)}

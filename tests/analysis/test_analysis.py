@@ -1,0 +1,127 @@
+"""Data-movement analysis: exact flops against closed forms, bytes against hand-computed tensor sizes,
+fusion comparison, output formats, plot, and clear errors."""
+import json
+
+import pytest
+
+import tvmdm
+from tvmdm.analysis import report as analysis
+from tvmdm.cli.main import main as cli_main
+from tvmdm.models import BertConfig, build_encoder_layer
+
+B, S, H, HEADS, F = 2, 8, 32, 2, 64
+SHAPES = {"hidden_states": [B, S, H], "attention_mask": [B, S]}
+
+
+@pytest.fixture(scope="module")
+def reports(tiny_layer):
+    return {f: tvmdm.analyze(tiny_layer, fusion=f, shapes=SHAPES) for f in ("none", "tvm")}
+
+
+def test_contraction_flops_match_closed_forms(reports):
+    matmuls = sorted(r.flops for r in reports["none"].rows if r.ops == ["matmul"])
+    expected = sorted([2 * B * S * H * H] * 4              # Q, K, V and output projections
+                      + [2 * B * S * S * H] * 2            # scores Q K^T and context P V (all heads)
+                      + [2 * B * S * H * F, 2 * B * S * F * H])  # FFN in and out
+    assert matmuls == expected
+
+
+def test_fused_contraction_flops_add_their_epilogues(reports):
+    none, tvm = reports["none"], reports["tvm"]
+    # Fusion removes no flop; it may add some: an inlined broadcast producer (the mask's (1 - m) * min) is
+    # recomputed for every score element instead of once per (batch, seq), and the flop estimate of the fused
+    # fast_erf polynomial differs from the stand-alone kernel's.
+    assert none.total_flops <= tvm.total_flops <= none.total_flops * 1.2
+    contraction = sum(r.flops for r in tvm.rows if r.op_class == "tensor contraction")
+    pure = sum(r.flops for r in none.rows if r.ops == ["matmul"])
+    # Epilogues: bias, residual, and GELU's fast_erf polynomial (~40 flop per element: large next to a K=32
+    # contraction; small at BERT-base sizes). TVM's estimate counts the polynomial about twice inside the
+    # fused FFN kernel (188416 vs 146432 for its parts here), hence the loose upper bound.
+    epilogue = sum(r.flops for r in none.rows if r.ops in (["add"], ["fast_erf"], ["multiply"], ["divide"]))
+    assert pure < contraction <= pure + 2 * epilogue
+
+
+def test_bytes_are_tensor_sizes_at_kernel_boundaries(reports):
+    rows = reports["none"].rows
+    first_projection = next(r for r in rows if r.ops == ["matmul"])
+    # reads x (B,S,H) and W (H,H), writes (B,S,H), fp32
+    assert first_projection.bytes_read == 4 * (B * S * H + H * H)
+    assert first_projection.bytes_written == 4 * B * S * H
+    softmax = next(r for r in rows if r.ops == ["fast_softmax"])
+    assert softmax.bytes_read == softmax.bytes_written == 4 * B * HEADS * S * S
+    layer_norm = next(r for r in rows if r.ops == ["layer_norm"])
+    assert layer_norm.bytes_read == 4 * (B * S * H + 2 * H) and layer_norm.bytes_written == 4 * B * S * H
+
+
+def test_fusion_reduces_data_movement_and_classes_add_up(reports):
+    comparison = analysis.compare([reports["none"], reports["tvm"]])
+    assert comparison[0]["reduction_vs_none_pct"] == 0
+    assert comparison[1]["reduction_vs_none_pct"] > 20
+    assert comparison[1]["kernel_calls"] < comparison[0]["kernel_calls"]
+    totals = reports["tvm"].totals()
+    assert sum(t["flop_pct"] for t in totals.values()) == pytest.approx(100)
+    assert sum(t["bytes_pct"] for t in totals.values()) == pytest.approx(100)
+    # The paper: contractions hold >99% of flop at BERT-large sizes; at H=32 the softmax and GELU polynomials weigh more.
+    assert totals["tensor contraction"]["flop_pct"] > 80
+
+
+def test_classes(reports):
+    assert analysis.classify(["matmul", "add", "erf"]) == "tensor contraction"
+    assert analysis.classify(["softmax"]) == analysis.classify(["fast_softmax"]) == "statistical normalization"
+    assert analysis.classify(["reshape", "transpose"]) == "element-wise"
+    assert {r.op_class for r in reports["none"].rows} == set(analysis.CLASSES)
+
+
+def test_measured_report_and_plot(tiny_layer, tmp_path):
+    report = tvmdm.analyze(tiny_layer, fusion="tvm", shapes=SHAPES, measure=True)
+    assert all(r.seconds and r.seconds > 0 for r in report.rows)
+    assert sum(t["time_pct"] for t in report.totals().values()) == pytest.approx(100)
+    path = analysis.plot([report], str(tmp_path / "roof.png"), peak_gflops=100.0, bandwidth_gbs=20.0)
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_formats(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli_main(["analyze", "bert-tiny-layer", "--batch", "2", "--seq", "8", "--format", "json",
+                     "-o", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    data = json.loads(out.read_text())
+    assert [r["fusion"] for r in data["reports"]] == ["none", "tvm", "paper"]
+    reductions = [c["reduction_vs_none_pct"] for c in data["comparison"]]
+    assert 0 < reductions[1] < reductions[2]  # each level moves fewer bytes than the one before
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    assert cli_main(["analyze", "bert-tiny-layer", "--batch", "2", "--seq", "8", "--format", "csv",
+                     "--fusion", "tvm"]) == 0
+    text = capsys.readouterr().out
+    assert "index,kernel,ops,class,flops,bytes_read,bytes_written,intensity,seconds" in text
+
+
+def test_bigger_layer_flops_scale(tmp_path):
+    cfg = BertConfig(hidden=64, heads=4, ffn=256, batch=1, seq=16)
+    report = tvmdm.analyze(build_encoder_layer(cfg), fusion="none",
+                           shapes={"hidden_states": [1, 16, 64], "attention_mask": [1, 16]})
+    t, h, f = 16, 64, 256
+    qkv = sum(r.flops for r in report.rows if r.ops == ["matmul"] and r.flops == 2 * t * h * h)
+    assert qkv == 4 * 2 * t * h * h  # QKV 3*2*B*S*H*H plus the output projection
+
+
+def test_symbolic_shapes_need_binding(tiny_layer):
+    with pytest.raises(tvmdm.TvmdmError, match=r"has symbolic shapes; bind \(batch, seq\) to count bytes"):
+        tvmdm.analyze(tiny_layer)
+
+
+def test_model_that_does_not_compile_is_reported(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"junk")
+    with pytest.raises(tvmdm.ModelLoadError, match="not a valid ONNX model"):
+        tvmdm.analyze(str(bad))
+
+
+def test_graph_without_kernels(tmp_path):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(tvmdm.TvmdmError, match="runs no kernel"):
+        tvmdm.analyze(model)

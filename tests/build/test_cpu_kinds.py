@@ -1,0 +1,135 @@
+"""Every CPU-dependent branch on every CPU kind, whatever machine runs the suite (tests/cpu_kinds.py): the register
+tiles (AVX-512 8 x 3 vectors, AVX2 4 x 3), the SM and row schedules, packed vs logged contractions, the bf16 dot
+product, checked in the schedules and the generated code of a build for each kind; the compiled layer is run
+against onnxruntime where this machine can run that kind's code."""
+import re
+import warnings
+
+import pytest
+
+import tvmdm
+from tests.helpers.cpu_kinds import KINDS, asm_of
+from schedules.logs import shipped_logs
+from schedules.bf16 import has_bf16_dot
+from schedules.database import TuningLogWarning
+from tvmdm.build.options import packed_lanes
+from tvmdm.models import BertConfig, build_encoder_layer
+from tvmdm.core.precision import BF16_MAX_REL_ERR
+from tvmdm.core.target import vector_lanes
+
+# Contraction dims whole panels for both widths (AVX2: 24 columns, AVX-512: 48); 16 keys: whole key vectors
+# for both, and 8 lanes' rows of exactly two vectors.
+LAYER = BertConfig(hidden=96, heads=2, ffn=192, batch=2, seq=16)
+SHAPES = {"hidden_states": [2, 16, 96], "attention_mask": [2, 16]}
+ROW_KERNELS = {"bdrln"}  # the paper's bias + residual + LayerNorm, twice in the layer: one kernel
+_BUILT: dict = {}
+
+
+@pytest.fixture(params=KINDS, ids=[k.name for k in KINDS])
+def kind(request):
+    return request.param
+
+
+def _compiled(kind, precision="fp32"):
+    key = (kind.name, precision)
+    if key not in _BUILT:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the logs' and bf16's warnings: asserted in their own tests
+            _BUILT[key] = tvmdm.compile(build_encoder_layer(LAYER), shapes=SHAPES, target=kind.target(),
+                                        precision=precision)
+    return _BUILT[key]
+
+
+def _register_tile(script: str) -> tuple[int, ...]:
+    """The micro-kernel's accumulator tile (rows, vectors, lanes): the extents of the unrolled and vectorized
+    loops right inside the first serial loop (the reduction) that has any."""
+    lines = script.splitlines()
+    for i, line in enumerate(lines):
+        if not re.search(r"for \w+ in range\(", line):
+            continue
+        tile = []
+        for inner in lines[i + 1:]:
+            found = re.search(r"in T\.(unroll|vectorized)\(T\.int64\((\d+)\)\)", inner)
+            if not found:
+                break
+            tile.append(int(found.group(2)))
+        if tile:
+            return tuple(tile)
+    return ()
+
+
+def test_target_of_each_kind(kind):
+    target = kind.target()
+    assert vector_lanes(target) == kind.lanes
+    assert has_bf16_dot(target) == kind.bf16_dot
+    logs = shipped_logs(target)
+    assert bool(logs) == kind.logs_apply
+    # packed fp32 contractions where no shipped log was tuned on this CPU model, panels of 3 vectors
+    assert packed_lanes(logs, target, "fp32") == (3 * kind.lanes if kind.packed else None)
+
+
+def test_shipped_logs_tuned_wider_are_named_in_a_warning(kind):
+    import schedules.logs
+
+    schedules.logs._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shipped_logs(kind.target())
+    named = [str(w.message) for w in caught if issubclass(w.category, TuningLogWarning)]
+    if kind.logs_apply:
+        assert not named
+    else:
+        assert len(named) == 1 and f"({32 * kind.lanes}-bit): not applied" in named[0], named
+
+
+def test_schedules_and_code_of_each_kind(kind):
+    compiled = _compiled(kind)
+    # the paper's attention kernels and row normalizations by hand on every kind (no record fits this shape)
+    assert {"sm", "attention_context"} | ROW_KERNELS <= set(compiled.hand_kernels), compiled.hand_kernels
+    rows = 8 if kind.lanes == 16 else 4  # accumulators: 8 x 2 vectors of AVX-512's 32 registers, 4 x 2 of 16
+    key_vectors = 16 // kind.lanes  # 16 keys: one vector of 16 lanes, two of 8
+    assert _register_tile(compiled.mod["sm"].script()) == (rows, key_vectors, kind.lanes)
+    gemms = [k for k in compiled.kernels if "packed_gemm" in k]
+    if kind.packed:  # merged QKV, output, FFN up and down
+        assert len(gemms) == 4 and set(gemms) <= set(compiled.hand_kernels), compiled.kernels
+        for name in gemms:  # 8 x 3 accumulator vectors on AVX-512, 4 x 3 on AVX2's 16 registers
+            assert _register_tile(compiled.mod[name].script()) == (rows, 3, kind.lanes), name
+    else:
+        assert not gemms, compiled.kernels
+    asm = asm_of(compiled)
+    assert ("zmm" in asm) == (kind.lanes == 16)  # AVX2 code must not touch a 512-bit register
+    assert "ymm" in asm
+
+
+def test_sm_rows_of_exactly_one_vector_get_the_hand_schedule(kind, tiny_layer):
+    # 8 keys on AVX2's 8 lanes: the softmax partials have no step loop; the rule once raised there and SM fell
+    # back to the default schedule (4 parallel loops instead of one task per (batch, head))
+    compiled = tvmdm.compile(tiny_layer, shapes={"hidden_states": [2, 8, 32], "attention_mask": [2, 8]},
+                             target=kind.target(), tuning_logs=None)
+    parallel = [line for line in compiled.mod["sm"].script().splitlines() if "T.parallel" in line]
+    assert "sm" in compiled.hand_kernels and len(parallel) == 1, parallel
+
+
+def test_bf16_code_of_each_kind(kind):
+    # without the dot product: a warning and a generic schedule computing the same numbers
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = tvmdm.compile(build_encoder_layer(LAYER), shapes=SHAPES, target=kind.target(), precision="bf16")
+    _BUILT[(kind.name, "bf16")] = compiled
+    assert any("no AVX512-BF16" in str(w.message) for w in caught) != kind.bf16_dot
+    assert ("vdpbf16ps" in asm_of(compiled)) == kind.bf16_dot
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_each_kind_runs_and_matches_onnxruntime_where_this_machine_can(kind, precision):
+    reason = kind.cannot_run_here()
+    if reason:
+        pytest.skip(reason)
+    compiled = _compiled(kind, precision)
+    inputs = tvmdm.random_inputs(compiled, batch=2, seq=16)
+    inputs["attention_mask"][1, 11:] = 0  # padded keys reach SM's softmax
+    result = compiled.check(inputs)
+    if precision == "fp32":
+        assert result.ok, str(result)
+    else:
+        assert max(o.max_rel_err for o in result.outputs) <= BF16_MAX_REL_ERR, str(result)

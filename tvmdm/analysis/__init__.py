@@ -1,0 +1,1 @@
+"""Analysis: data movement per kernel, profiles, the global layout search."""

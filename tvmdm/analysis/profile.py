@@ -1,0 +1,113 @@
+"""Per-kernel measurement: which TIR kernels a compiled module calls, how often, their flops and their time.
+
+TVM 0.27's Relax VM has no per-call profiler, so each kernel (with static shapes) is built alone and timed
+with TVM's time evaluator on random inputs, as MetaSchedule measures candidates; a kernel's share is its time
+times its number of call sites.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tvm
+from tvm import relax, tirx
+from schedules.rule import FLOPS_ATTR
+
+
+@dataclasses.dataclass
+class KernelProfile:
+    name: str
+    calls: int
+    flops: int  # per call
+    seconds: float | None  # per call, median; None when not measured (symbolic shapes)
+
+    @property
+    def is_contraction(self) -> bool:
+        return any(word in self.name for word in ("matmul", "dense", "einsum", "gemm"))
+
+    @property
+    def gflops_per_s(self) -> float | None:
+        return self.flops / self.seconds / 1e9 if self.seconds else None
+
+
+def call_sites(mod: tvm.IRModule, entry: str = "main") -> dict[str, int]:
+    """Kernel name -> number of call_tir sites in ``entry`` (not of functions: one kernel can run twice)."""
+    counts: dict[str, int] = {}
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(call_tir):
+            name = expr.args[0].name_hint
+            counts[name] = counts.get(name, 0) + 1
+
+    relax.analysis.post_order_visit(mod[entry].body, visit)
+    return counts
+
+
+
+
+def kernel_flops(mod: tvm.IRModule, name: str) -> int:
+    from tvm.s_tir.analysis import estimate_tir_flops
+
+    func = mod[name]
+    if func.attrs and FLOPS_ATTR in func.attrs:
+        return int(func.attrs[FLOPS_ATTR])
+    return int(estimate_tir_flops(tvm.IRModule({name: func})))
+
+
+def _random_args(func, device):
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    rng = np.random.default_rng(0)
+    args = []
+    for info in ArgInfo.from_prim_func(func):
+        shape = [int(d) for d in info.shape]
+        dtype = str(info.dtype)
+        if dtype.startswith("int"):
+            value = rng.integers(0, 2, size=shape).astype(dtype)
+        else:
+            value = rng.standard_normal(shape).astype(dtype)
+        args.append(tvm.runtime.tensor(value, device))
+    return args
+
+
+def time_kernel(func: tirx.PrimFunc, target, repeat: int = 5, min_repeat_ms: int = 20) -> float:
+    """Median seconds of one call of ``func`` built alone for ``target``."""
+    device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+    args = _random_args(func, device)
+    timer = lib.jit().time_evaluator("main", device, number=1, repeat=repeat, min_repeat_ms=min_repeat_ms)
+    return float(np.median(timer(*args).results))
+
+
+def _static(func: tirx.PrimFunc) -> bool:
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    return all(isinstance(d, (int, tirx.IntImm)) for info in ArgInfo.from_prim_func(func) for d in info.shape)
+
+
+def profile_kernels(mod: tvm.IRModule, target, measure: bool = True, repeat: int = 5,
+                    entry: str = "main") -> list[KernelProfile]:
+    """One row per kernel that ``entry`` calls, most time first (measured when shapes are static)."""
+    rows = []
+    for name, calls in call_sites(mod, entry).items():
+        func = mod[name]
+        seconds = time_kernel(func, target, repeat) if measure and _static(func) else None
+        rows.append(KernelProfile(name, calls, kernel_flops(mod, name), seconds))
+    rows.sort(key=lambda r: -(r.seconds or 0) * r.calls)
+    return rows
+
+
+def gemm_peak_gflops(n: int = 2048, repeat: int = 5) -> float:
+    """This machine's fp32 GEMM peak as numpy's BLAS reaches it (all threads): the yardstick for contractions."""
+    import time
+
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
+    b = np.random.default_rng(1).standard_normal((n, n)).astype(np.float32)
+    a @ b
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / float(np.median(times)) / 1e9

@@ -1,0 +1,1 @@
+"""Benchmarks: tvmdm side by side with onnxruntime and PyTorch (inference, training, whole BERT, GPU runs)."""

@@ -1,0 +1,1 @@
+"""Compile: options -> fuse -> schedule -> relax.build, shared by inference and training."""

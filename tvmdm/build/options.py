@@ -1,0 +1,53 @@
+"""make_options: the API's arguments -> one ``Options`` (target made, tuning logs resolved, packing chosen)."""
+from __future__ import annotations
+
+import os
+
+import tvm
+
+from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT, Options
+from tvmdm.core.target import make_target
+
+
+def resolve_logs(tuning_logs, target):
+    """"shipped" -> the shipped logs tuned for ``target`` (a list, maybe empty); anything else as given."""
+    from schedules.logs import shipped_logs
+
+    return shipped_logs(target) if isinstance(tuning_logs, str) and tuning_logs == "shipped" else tuning_logs
+
+
+def packed_lanes(tuning_logs, target, precision: str, symbolic: bool = False) -> int | None:
+    """The weight panel width for schedules.packed when the fp32 contractions have no records tuned on this CPU
+    model: no log suits it, the logs were tuned on another model (schedules.logs.tuned_on_this_cpu; their
+    records still serve the other kernels), or the module has symbolic (batch, seq) dims (records are for
+    static shapes only: a symbolic module would fall to the default schedules, ~9x slower on BERT-base). An
+    explicit ``tuning_logs=None`` keeps the plain default schedules, a user's log directory (no meta.json) its
+    own records."""
+    from schedules.logs import tuned_on_this_cpu
+    from schedules.packed import panel_lanes
+
+    if target.kind.name != "llvm" or precision != "fp32" or not isinstance(tuning_logs, list):
+        return None
+    if not symbolic and any(tuned_on_this_cpu(logs_dir, target) for logs_dir in tuning_logs):
+        return None
+    return panel_lanes(target)
+
+
+def has_symbolic_inputs(mod: tvm.IRModule) -> bool:
+    """Whether any tensor input of ``main`` has a symbolic dim."""
+    from tvmdm.transform.ir import static_shape
+
+    return any(getattr(p.ty, "shape", None) is not None and static_shape(p) is None for p in mod["main"].params)
+
+
+def make_options(target="llvm", *, fusion: str = DEFAULT_FUSION, layout: str = DEFAULT_LAYOUT,
+                 precision: str = "fp32", tuning_logs="shipped", symbolic: bool = False,
+                 training: bool = False) -> Options:
+    """``tuning_logs``: "shipped" (the shipped logs tuned for this target), a directory, a list of them, or None.
+    ``symbolic``: the module has symbolic (batch, seq) dims (no record serves it)."""
+    tvm_target = target if isinstance(target, tvm.target.Target) else make_target(target)
+    logs = resolve_logs(tuning_logs, tvm_target)
+    lanes = packed_lanes(logs, tvm_target, precision, symbolic=symbolic)
+    dirs = [logs] if isinstance(logs, (str, os.PathLike)) else list(logs or [])
+    return Options(tvm_target, fusion=fusion, layout=layout, precision=precision, training=training,
+                   tuning_logs=tuple(os.fspath(d) for d in dirs), packed_lanes=lanes)

@@ -1,0 +1,1 @@
+"""The ``tvmdm`` command line: parses arguments and calls the stages."""

@@ -1,0 +1,1 @@
+"""Stage 0, what every stage shares: errors, tensor specs, targets, precisions, options, the thread count."""

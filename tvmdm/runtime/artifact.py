@@ -1,0 +1,111 @@
+"""One-file deployable artifacts: a tar holding the compiled library, the parameters and a manifest.
+
+``load`` needs only TVM's runtime and numpy: no onnx, no onnxruntime.
+Layout inside the tar: ``model.so`` (relax executable), ``params.npz`` (weights, names in manifest order),
+``manifest.json`` (format version, target kind, inputs/outputs with shapes and dtypes, index bounds).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import tempfile
+
+import numpy as np
+
+from tvmdm.core.errors import ArtifactError
+
+FORMAT = "tvmdm-artifact"
+VERSION = 1
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_bundle(path, manifest: dict, executable, arrays: dict[str, np.ndarray]) -> str:
+    """Write a tar of manifest.json (plus the array names, in order), model.so and params.npz; atomically."""
+    path = os.fspath(path)
+    manifest = dict(manifest, params=list(arrays))
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = os.path.join(tmp, "model.so")
+        executable.export_library(lib)
+        buf = io.BytesIO()
+        np.savez(buf, **{f"p{i}": v for i, v in enumerate(arrays.values())})
+        tmp_out = path + ".partial"
+        with tarfile.open(tmp_out, "w") as tar:
+            _add_bytes(tar, "manifest.json", json.dumps(manifest, indent=1).encode())
+            tar.add(lib, arcname="model.so")
+            _add_bytes(tar, "params.npz", buf.getvalue())
+        os.replace(tmp_out, path)  # never leave a half-written artifact under the real name
+    return path
+
+
+def read_bundle(path, fmt: str = FORMAT, version: int = VERSION):
+    """(manifest, loaded library module, arrays by name) of a bundle written by ``write_bundle``."""
+    from tvm import runtime
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ArtifactError(f"artifact not found: {path}")
+    try:
+        with tarfile.open(path, "r") as tar:
+            manifest = json.loads(tar.extractfile("manifest.json").read())
+            arrays = _read_params(tar, manifest)
+            lib_bytes = tar.extractfile("model.so").read()
+    except (tarfile.TarError, KeyError, ValueError, OSError, AttributeError) as err:
+        raise ArtifactError(f"{path}: not a tvmdm artifact or damaged: {err}") from None
+    if manifest.get("format") != fmt or manifest.get("version") != version:
+        raise ArtifactError(f"{path}: unsupported artifact format {manifest.get('format')!r} "
+                            f"version {manifest.get('version')!r} (expected {fmt} v{version})")
+    with tempfile.TemporaryDirectory() as tmp:
+        # The shared library must be a file to be dlopen'ed; once loaded the file can go.
+        lib_path = os.path.join(tmp, "model.so")
+        with open(lib_path, "wb") as f:
+            f.write(lib_bytes)
+        try:
+            lib = runtime.load_module(lib_path)
+        except RuntimeError as err:
+            raise ArtifactError(f"{path}: compiled for {manifest['target_kind']}, but this TVM runtime cannot load "
+                                f"it here ({str(err).strip().splitlines()[-1]})") from None
+    return manifest, lib, arrays
+
+
+def _read_params(tar, manifest) -> dict:
+    """The arrays of a bundle's params.npz, read from the archive member in place (one copy in memory)."""
+    with np.load(tar.extractfile("params.npz")) as npz:
+        return {name: npz[f"p{i}"] for i, name in enumerate(manifest["params"])}
+
+
+def read_params(path) -> dict:
+    """The weights of a bundle by name, read again from its file."""
+    with tarfile.open(os.fspath(path), "r") as tar:
+        return _read_params(tar, json.loads(tar.extractfile("manifest.json").read()))
+
+
+def export_artifact(runner, path) -> str:
+    """Write ``runner`` (a Compiled) to ``path``; returns the path written."""
+    manifest = {
+        "format": FORMAT, "version": VERSION,
+        "target_kind": runner.target_kind,
+        "inputs": [s.to_json() for s in runner.inputs],
+        "outputs": [s.to_json() for s in runner.outputs],
+        "index_bounds": {k: list(v) for k, v in runner.index_bounds.items()},
+    }
+    return write_bundle(path, manifest, runner._executable, runner.params())
+
+
+def load(path) -> "ModelRunner":
+    """Load an artifact written by ``Compiled.export``; returns a runner with ``run``."""
+    from tvmdm.runtime.runner import ModelRunner
+    from tvmdm.core.spec import TensorSpec
+
+    manifest, lib, params = read_bundle(path)
+    return ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
+                       outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]], params=params,
+                       target_kind=manifest["target_kind"],
+                       index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
+                       reload_params=lambda: read_params(path))

@@ -1,0 +1,139 @@
+"""Running a compiled module: input checking, parameter placement, the VM call, outputs in ONNX order.
+
+Shared by ``Compiled`` (fresh from compile) and by modules loaded from an exported artifact, so it needs
+nothing but TVM's runtime and numpy (no onnx): a deployment process may set ``TVM_USE_RUNTIME_LIB=1`` before
+importing tvmdm, and TVM then loads libtvm_runtime alone, not its compiler (90 instead of 264 MB resident).
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm.runtime.vm import VirtualMachine  # (relax.VirtualMachine; this one loads with libtvm_runtime alone)
+
+from tvmdm.core.errors import InputError, TvmdmError
+
+
+TRANSFORM_PARAMS = "main_transform_params"  # relax.transform.LiftTransformParams' weight-only function
+
+
+def _device_for(kind: str):
+    return tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
+
+
+class ModelRunner:
+    """Holds the VM and the parameters on the device; ``run`` checks inputs before anything reaches a kernel."""
+
+    def __init__(self, executable, *, inputs, outputs, params: dict[str, np.ndarray], target_kind: str,
+                 index_bounds: dict | None = None, reload_params=None):
+        """``reload_params``: a callable returning the weights by name again (a loaded artifact reads its file):
+        then the host copy of each weight is dropped once the device has it (a deployed BERT-base would
+        otherwise hold its 440 MB of weights twice, three times with the packed copies)."""
+        self.inputs = list(inputs)
+        self.outputs = list(outputs)
+        self.target_kind = target_kind
+        self.index_bounds = dict(index_bounds or {})
+        self._executable = executable
+        self._param_names = list(params)
+        self._host_params = {k: np.asarray(v, order="C") for k, v in params.items()}
+        self._reload_params = reload_params
+        # The VM and device copies are made on first use, so a CUDA module can be compiled and exported on a
+        # machine without a GPU.
+        self._vm = None
+        self._params = None
+        self._transformed = False
+
+    def _ensure_loaded(self):
+        if self._vm is None:
+            self.device = _device_for(self.target_kind)
+            if not self.device.exist:
+                raise TvmdmError(f"this module was compiled for {self.target_kind}, but no {self.target_kind} device "
+                                 "is present here: export it and run it on a machine that has one")
+            self._vm = VirtualMachine(self._executable, self.device)
+            self._params = []
+            for name in self._param_names:
+                self._params.append(tvm.runtime.tensor(self._host_params[name], self.device))
+                if self._reload_params is not None:
+                    del self._host_params[name]  # one weight at a time: the peak stays one copy
+            if self._vm.module.implements_function(TRANSFORM_PARAMS):
+                # Pre-packed weights (e.g. the merged QKV matrix): made once here, main takes them.
+                self._params = list(self._vm[TRANSFORM_PARAMS](self._params))
+                self._transformed = True
+
+    @property
+    def input_names(self) -> list[str]:
+        return [s.name for s in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [s.name for s in self.outputs]
+
+    def params(self) -> dict[str, np.ndarray]:
+        """The model's weights by ONNX name (inference never changes them; a training step does)."""
+        if self._params is None or self._transformed:
+            return dict(self._host_params) if len(self._host_params) == len(self._param_names) \
+                else dict(self._reload_params())
+        return {name: p.numpy() for name, p in zip(self._param_names, self._params)}
+
+    def check_inputs(self, inputs) -> dict[str, np.ndarray]:
+        """Return the inputs as contiguous arrays, or raise InputError naming the input, axis or value at fault."""
+        if not isinstance(inputs, dict):
+            raise InputError(f"inputs must be a dict of input name -> numpy array, got {type(inputs).__name__}")
+        expected = self.input_names
+        missing = [n for n in expected if n not in inputs]
+        extra = sorted(set(inputs) - set(expected))
+        if missing or extra:
+            parts = ([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else [])
+            raise InputError(f"inputs do not match the model: {'; '.join(parts)}; the model takes {expected}")
+        sizes: dict[str, tuple[int, str]] = {}
+        checked = {}
+        for spec in self.inputs:
+            value = inputs[spec.name]
+            if not isinstance(value, np.ndarray):
+                raise InputError(f"input {spec.name!r} must be a numpy array, got {type(value).__name__}")
+            if str(value.dtype) != spec.dtype:
+                raise InputError(f"input {spec.name!r} has dtype {value.dtype}, the model expects {spec.dtype}")
+            if value.ndim != len(spec.shape):
+                raise InputError(f"input {spec.name!r} has rank {value.ndim} (shape {list(value.shape)}), the model "
+                                 f"expects rank {len(spec.shape)} {list(spec.shape)}")
+            for axis, (want, got) in enumerate(zip(spec.shape, value.shape)):
+                if isinstance(want, int) and want != got:
+                    raise InputError(f"input {spec.name!r} axis {axis} has size {got}, the model was compiled for "
+                                     f"{want} (shape {list(spec.shape)})")
+                if isinstance(want, str):
+                    if got == 0:
+                        raise InputError(f"input {spec.name!r} axis {axis} ({want}) is empty")
+                    first = sizes.setdefault(want, (got, spec.name))
+                    if first[0] != got:
+                        raise InputError(f"dim {want!r} is {first[0]} in input {first[1]!r} but {got} in input "
+                                         f"{spec.name!r} (axis {axis})")
+            self._check_index_range(spec.name, value)
+            checked[spec.name] = np.asarray(value, order="C")  # ascontiguousarray would make 0-d arrays 1-d
+        return checked
+
+    def _check_index_range(self, name: str, value: np.ndarray) -> None:
+        if name not in self.index_bounds or value.size == 0:
+            return
+        rows, node = self.index_bounds[name]
+        low, high = int(value.min()), int(value.max())
+        if low < 0 or high >= rows:
+            bad = low if low < 0 else high
+            raise InputError(f"input {name!r} holds index {bad}, outside [0, {rows}) of the table that node "
+                             f"{node!r} gathers from")
+
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Run the model; returns the outputs as numpy arrays in the ONNX output order."""
+        checked = self.check_inputs(inputs)
+        self._ensure_loaded()
+        args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names]
+        result = self._vm["main"](*args, *self._params)
+        results = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
+        return [r.numpy() for r in results]
+
+    def time(self, inputs: dict[str, np.ndarray], repeat: int = 5) -> list[float]:
+        """Seconds per call over ``repeat`` calls (after one warm-up), measured by TVM's time evaluator."""
+        checked = self.check_inputs(inputs)
+        self._ensure_loaded()
+        args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names] + self._params
+        self._vm.set_input("main", *args)
+        timer = self._vm.time_evaluator("invoke_stateful", self.device, number=1, repeat=repeat, min_repeat_ms=0)
+        return list(timer("main").results)

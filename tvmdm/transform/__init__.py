@@ -1,0 +1,1 @@
+"""Graph rewrites and fusion: Relax passes from the imported graph to fused TIR kernels."""

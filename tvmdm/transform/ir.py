@@ -1,0 +1,77 @@
+"""Relax IR helpers every graph pass uses (these rewrites, fusion's analyses, precision, training's passes)."""
+
+from __future__ import annotations
+
+import re
+
+import tvm
+from tvm import relax, tirx
+
+
+def call_op(value) -> str | None:
+    """The op name of a Relax call binding's value ("relax.matmul"), None for anything else. Every graph pass
+    (these rewrites, fusion's analyses, training's checkpoint and dropout) finds its places by it."""
+    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else None
+
+
+def rank(expr) -> int | None:
+    shape = getattr(expr.ty, "shape", None)
+    return None if shape is None else len(shape.values)
+
+
+def bindings_of(func: relax.Function) -> dict:
+    """var -> bound value, over every binding block of ``func``."""
+    return {b.var: b.value for block in func.body.blocks for b in block.bindings}
+
+
+def users_of(func: relax.Function) -> dict:
+    """var -> number of bindings (and the function result) that read it."""
+    counts: dict = {}
+
+    def count(expr):
+        if isinstance(expr, relax.Var):
+            counts[expr] = counts.get(expr, 0) + 1
+
+    for block in func.body.blocks:
+        for b in block.bindings:
+            relax.analysis.post_order_visit(b.value, count)
+    relax.analysis.post_order_visit(func.body.body, count)
+    return counts
+
+
+def static_shape(expr) -> list[int] | None:
+    """The concrete dims of a tensor expression, None when any is symbolic."""
+    shape = getattr(expr.ty, "shape", None)
+    if shape is None or not all(isinstance(d, tirx.IntImm) for d in shape.values):
+        return None
+    return [int(d) for d in shape.values]
+
+
+def function_pass(pass_name: str, rewrite_function, every_function: bool = True) -> tvm.transform.Pass:
+    """A module pass applying ``rewrite_function(mod, name) -> mod`` to every Relax function (a training
+    module: main, loss_and_grads, train_step, apply_update), or to ``main`` alone."""
+
+    @tvm.transform.module_pass(opt_level=0, name=pass_name)
+    def run(mod, _ctx):
+        names = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function)
+                 and (every_function or gv.name_hint == "main")]
+        for name in names:
+            mod = rewrite_function(mod, name)
+        return mod
+
+    return run
+
+
+def rewritten(mod: tvm.IRModule, name: str, mutator) -> tvm.IRModule:
+    """``mod`` with function ``name`` visited by ``mutator`` (a PyExprMutator made on ``mod``), plus the
+    PrimFuncs the mutator added to its builder."""
+    func = mod[name]
+    body = mutator.visit_expr(func).body
+    out = tvm.IRModule(dict(mutator.builder_.get().functions.items()), attrs=mod.attrs)
+    out[name] = relax.Function(func.params, body, func.ret_ty, attrs=func.attrs)
+    return out
+
+
+def op_name(prim_func_name: str) -> str:
+    """LegalizeOps names a PrimFunc after its op, numbered when shapes differ: "add3" -> "add"."""
+    return re.sub(r"\d+$", "", prim_func_name)

@@ -1,0 +1,1 @@
+"""Tuning: MetaSchedule on a model's fused kernels, records appended to a log as they are measured."""
