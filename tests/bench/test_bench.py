@@ -173,13 +173,13 @@ def test_torch_reference_in_reduced_precision_rounds_within_its_bound():
 def test_torch_amp_step_with_grad_scaler_runs_and_matches_fp32():
     # the GPU session's torch-cuda[fp16] training row (autocast fp16 + GradScaler), here on the CPU
     pytest.importorskip("torch")
-    from tvmdm.bench.training import _torch_step
+    from tvmdm.bench.training import torch_step
     from tvmdm.models.torch_reference import TorchReference
 
     proto = tvmdm.default_model("bert-tiny-layer")
     feeds = tvmdm.random_inputs(tvmdm.compile(proto, tuning_logs=None), batch=2, seq=8)
     target = np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)
-    exact = _torch_step(TorchReference("bert-tiny-layer", proto), feeds, target, 1e-3)
-    amp = _torch_step(TorchReference("bert-tiny-layer", proto), feeds, target, 1e-3, autocast="fp16")
+    exact = torch_step(TorchReference("bert-tiny-layer", proto), feeds, target, 1e-3)
+    amp = torch_step(TorchReference("bert-tiny-layer", proto), feeds, target, 1e-3, autocast="fp16")
     for _ in range(2):
         assert amp() == pytest.approx(exact(), rel=1e-2)

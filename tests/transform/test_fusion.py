@@ -160,7 +160,7 @@ def test_tuner_tunes_the_paper_kernels_in_a_space_it_can_build(tiny_layer, tmp_p
     from tvm.s_tir import meta_schedule as ms
 
     from tvmdm.tune import metaschedule_fixes
-    from tvmdm.tune.tuner import _drop_unschedulable, extract_tasks
+    from tvmdm.tune.tuner import drop_unschedulable, extract_tasks
 
     tasks, _ = extract_tasks(tiny_layer, "llvm", TINY_SHAPES, "paper", only=["sm", "bdrln"])
     metaschedule_fixes.reset_metaschedule_logging()  # as the tuner does: other tests' logging handlers break MetaSchedule's
@@ -170,7 +170,7 @@ def test_tuner_tunes_the_paper_kernels_in_a_space_it_can_build(tiny_layer, tmp_p
         with pytest.raises(Exception, match="reverse-compute-at"):
             ctx.generate_design_space()
     stream = io.StringIO()
-    kept, _ = _drop_unschedulable(contexts, weights, stream)
+    kept, _ = drop_unschedulable(contexts, weights, stream)
     assert sorted(c.task_name for c in kept) == ["bdrln", "sm"]
     assert all(c.generate_design_space() for c in kept)
     assert "tuned without consumer fusion" in stream.getvalue()

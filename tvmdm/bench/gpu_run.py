@@ -124,9 +124,9 @@ def check_precisions(model: str, target: str, precisions, batch: int, seq: int) 
     import tvmdm
     from tvmdm.build.shapes import resolve_shapes
     from tvmdm.core.precision import MAX_REL_ERR
-    from tvmdm.bench.inference import _load
+    from tvmdm.bench.inference import load_model
 
-    proto = _load(model)
+    proto = load_model(model)
     out = {}
     for precision in precisions:
         compiled = tvmdm.compile(proto, target=target, shapes=resolve_shapes(model, None, batch, seq),

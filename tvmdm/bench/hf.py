@@ -149,7 +149,7 @@ def _torch_runner(model, threads: int):
 def latencies(path: str, model, sizes, *, min_runs: int = 5, max_seconds: float = 30.0, out=print) -> list[dict]:
     """At each (batch, seq): every system checked against onnxruntime, then timed (median, p10, p90)."""
     import tvmdm
-    from tvmdm.bench.inference import _bert_optimized, _ort_runner
+    from tvmdm.bench.inference import bert_optimized, ort_runner
     from tvmdm.build.compiled import ort_session
     from onnx_import.loader import load_model_proto
     from tvmdm.core.target import num_cores
@@ -157,8 +157,8 @@ def latencies(path: str, model, sizes, *, min_runs: int = 5, max_seconds: float 
     threads = num_cores()
     proto = load_model_proto(path)[0]
     symbolic = tvmdm.compile(path)
-    ort = _ort_runner(ort_session(proto, threads), symbolic.output_names)
-    ort_opt = _ort_runner(ort_session(_bert_optimized(proto, None), threads), symbolic.output_names)
+    ort = ort_runner(ort_session(proto, threads), symbolic.output_names)
+    ort_opt = ort_runner(ort_session(bert_optimized(proto, None), threads), symbolic.output_names)
     torch_run = _torch_runner(model, threads)
     rows = []
     for batch, seq in sizes:

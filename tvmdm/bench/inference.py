@@ -107,7 +107,7 @@ def _tvmdm_systems(proto, shapes, target, fusion_levels, untuned, tuning_logs, p
     return systems
 
 
-def _ort_runner(session, names) -> Runner:
+def ort_runner(session, names) -> Runner:
     return lambda feeds: session.run(names, feeds)
 
 
@@ -119,24 +119,24 @@ def _onnxruntime_systems(proto, model_name, threads, output_names, gpu: bool,
     from tvmdm import models
     from tvmdm.build.compiled import ort_session
 
-    systems, skipped = {"onnxruntime": _ort_runner(ort_session(proto, threads), output_names)}, {}
+    systems, skipped = {"onnxruntime": ort_runner(ort_session(proto, threads), output_names)}, {}
     if optimized:
         try:
-            optimized_proto = _bert_optimized(proto, models.DEFAULT_MODELS.get(model_name, (None, None))[1])
-            systems["onnxruntime-bert-opt"] = _ort_runner(ort_session(optimized_proto, threads), output_names)
+            optimized_proto = bert_optimized(proto, models.DEFAULT_MODELS.get(model_name, (None, None))[1])
+            systems["onnxruntime-bert-opt"] = ort_runner(ort_session(optimized_proto, threads), output_names)
         except Exception as err:  # a best-effort graph rewriter: record why it did not apply, go on without it
             skipped["onnxruntime-bert-opt"] = f"{type(err).__name__}: {err}"
     if gpu:
         if "CUDAExecutionProvider" in ort.get_available_providers():
             session = ort.InferenceSession(proto.SerializeToString(), providers=["CUDAExecutionProvider"])
-            systems["onnxruntime-cuda"] = _ort_runner(session, output_names)
+            systems["onnxruntime-cuda"] = ort_runner(session, output_names)
         else:
             skipped["onnxruntime-cuda"] = f"onnxruntime {ort.__version__} here has no CUDAExecutionProvider " \
                                           "(install onnxruntime-gpu)"
     return systems, skipped
 
 
-def _bert_optimized(proto, cfg):
+def bert_optimized(proto, cfg):
     import logging
     import os
     import tempfile
@@ -286,7 +286,7 @@ def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, t
     from tvmdm.build.shapes import resolve_shapes
     from tvmdm.bench.machine import machine_info
 
-    proto = _load(model)
+    proto = load_model(model)
     shapes = resolve_shapes(model, None, batch, seq)
     if not shapes:
         raise TvmdmError(f"bench needs concrete sizes for {model}: give --batch and --seq")
@@ -334,7 +334,7 @@ def write_result(result: dict, json_path: str | None, plot_path: str | None, out
     return result
 
 
-def _load(model):
+def load_model(model):
     from onnx_import.loader import load_model_proto
     from tvmdm.build.shapes import model_or_path
 

@@ -19,7 +19,7 @@ from tvmdm.core.precision import reduced_precision
 LR = 1e-4
 
 
-def _torch_step(ref, feeds: dict, target: np.ndarray, lr: float, autocast: str | None = None):
+def torch_step(ref, feeds: dict, target: np.ndarray, lr: float, autocast: str | None = None):
     """A PyTorch training step on ``ref``'s module (an HF twin of the ONNX model): returns step() -> loss.
     ``autocast``: "bf16" or "fp16": forward and loss under torch.autocast (PyTorch's mixed precision; fp16 with
     a GradScaler, as AMP is used on CUDA)."""
@@ -91,15 +91,15 @@ def training_systems(model: str, proto, batch: int, seq: int, *, target: str = "
     from tvmdm.core.target import num_cores
 
     torch_mod.set_num_threads(num_cores())
-    systems["torch-eager"] = _torch_step(TorchReference(model, proto), feeds, labels, lr)
+    systems["torch-eager"] = torch_step(TorchReference(model, proto), feeds, labels, lr)
     if "bf16" in reduced:
-        systems["torch-eager[bf16]"] = _torch_step(TorchReference(model, proto), feeds, labels, lr, autocast="bf16")
+        systems["torch-eager[bf16]"] = torch_step(TorchReference(model, proto), feeds, labels, lr, autocast="bf16")
     if torch_compile:
-        systems["torch-compile"] = _torch_step(TorchReference(model, proto).compile(), feeds, labels, lr)
+        systems["torch-compile"] = torch_step(TorchReference(model, proto).compile(), feeds, labels, lr)
     if target.startswith("cuda"):  # the step on the GPU too: fp32, and AMP (fp16 autocast + GradScaler)
         if torch_mod.cuda.is_available():
-            systems["torch-cuda"] = _torch_step(TorchReference(model, proto, device="cuda"), feeds, labels, lr)
-            systems["torch-cuda[fp16]"] = _torch_step(TorchReference(model, proto, device="cuda"), feeds, labels,
+            systems["torch-cuda"] = torch_step(TorchReference(model, proto, device="cuda"), feeds, labels, lr)
+            systems["torch-cuda[fp16]"] = torch_step(TorchReference(model, proto, device="cuda"), feeds, labels,
                                                       lr, autocast="fp16")
         else:
             skipped["torch-cuda"] = "torch sees no CUDA device"
@@ -125,12 +125,12 @@ def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = N
                     json_path: str | None = None, plot_path: str | None = None, tuning_logs="shipped",
                     precisions=("fp32",), fusions=(DEFAULT_FUSION,), out=print) -> dict:
     from tvmdm import models
-    from tvmdm.bench.inference import _load
+    from tvmdm.bench.inference import load_model
     from tvmdm.build.shapes import resolve_shapes
     from tvmdm.bench.machine import machine_info
     from tvmdm.core.target import num_cores
 
-    proto = _load(model)
+    proto = load_model(model)
     if model in models.DEFAULT_MODELS:
         dims = models.default_dims(model)
         batch, seq = batch or dims["batch"], seq or dims["seq"]

@@ -11,10 +11,14 @@ import json
 import os
 import tarfile
 import tempfile
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tvmdm.core.errors import ArtifactError
+
+if TYPE_CHECKING:
+    from tvmdm.runtime.runner import ModelRunner
 
 FORMAT = "tvmdm-artifact"
 VERSION = 1

@@ -23,7 +23,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from tvmdm.transform.ir import bindings_of, call_op, function_pass, rewritten, static_shape, users_of
-from tvmdm.transform.kernels import int64_dims as _i64, private_func as _private
+from tvmdm.transform.kernels import int64_dims, private_func
 
 
 def batched_weight_gradient(value, bindings: dict, users: dict):
@@ -84,11 +84,11 @@ def flat_weight_gradients() -> tvm.transform.Pass:
 
 def matmul_tn_func(rows: int, k: int, n: int) -> tirx.PrimFunc:
     """C[K, N] = sum over r of A[r, K] B[r, N]: a weight gradient, its left operand read transposed."""
-    a = te.placeholder(_i64((rows, k)), "float32", name="a")
-    b = te.placeholder(_i64((rows, n)), "float32", name="b")
+    a = te.placeholder(int64_dims((rows, k)), "float32", name="a")
+    b = te.placeholder(int64_dims((rows, n)), "float32", name="b")
     r = te.reduce_axis((tirx.IntImm("int64", 0), tirx.IntImm("int64", rows)), name="r")
-    out = te.compute(_i64((k, n)), lambda i, j: te.sum(a[r, i] * b[r, j], axis=r), name="matmul_tn")
-    return _private(te.create_prim_func([a, b, out])).with_attr("op_pattern", 4)  # epilogues may fuse
+    out = te.compute(int64_dims((k, n)), lambda i, j: te.sum(a[r, i] * b[r, j], axis=r), name="matmul_tn")
+    return private_func(te.create_prim_func([a, b, out])).with_attr("op_pattern", 4)  # epilogues may fuse
 
 
 def _transposed_2d(value, bindings: dict):

@@ -219,7 +219,7 @@ def _update_scalar_vars() -> list:
 def _emit_adamw(bb, optimizer: AdamW, weights, grads, ms, vs, decay, step_size, bc2_sqrt) -> list:
     """torch.optim.AdamW's update: w', m', v' lists. One kernel per weight computes all three from w, g, m, v in
     one pass (a TE compute with three outputs: FuseOps would make three kernels, m' and v' being outputs of
-    the step too, reading g three times and m', v' back; base layer 5.1 -> 3.6 ms a step)."""
+    the step too, reading g three times and m', v' back; base layer: 3.6 ms a step against their 5.1 ms)."""
     from tvm import te
 
     b1, b2 = optimizer.betas

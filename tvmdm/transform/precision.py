@@ -24,6 +24,8 @@ schedules.packed's micro-kernel, the weight gradients' X transposed as fp32.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 from tvm import relax, tirx
 
@@ -32,6 +34,29 @@ from tvmdm.core.precision import check_precision
 from tvmdm.transform.ir import bindings_of, call_op, function_pass, rewritten, static_shape
 from tvmdm.transform.kernels import (BF16, LANES, PAIR, Packing, fp32_packing, gemm_func, pack_weight_func, packed_shape,
                                      to_bf16_func, transposed_rows_func)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """x [..., K] times a weight (or, ``batch`` > 0, a batched operand with x's first ``batch`` dims) of [K, N]
+    ([N, K] when ``transposed``): rewritten as gemm(convert(x), pack(w))."""
+    x: relax.Expr
+    w: relax.Expr
+    transposed: bool
+    x_shape: list
+    k: int
+    n: int
+    batch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGradient:
+    """X^T dY of X [rows, K] and dY [rows, N]: rewritten as gemm(transposed convert(X), pack(dY))."""
+    x: relax.Expr
+    dy: relax.Expr
+    rows: int
+    k: int
+    n: int
 
 
 def _weights(func: relax.Function) -> set:
@@ -91,12 +116,11 @@ def _batched(x, w):
             or x.ty.dtype != "float32" or w.ty.dtype != "float32":
         return None
     k, n = ws[-2], ws[-1]
-    return ("gemm", x, w, False, xs, k, n, len(xs) - 2) if n % LANES == 0 and k % PAIR == 0 else None
+    return Gemm(x, w, False, xs, k, n, len(xs) - 2) if n % LANES == 0 and k % PAIR == 0 else None
 
 
 def _plan(func: relax.Function, weights: set | None, packing: Packing = BF16) -> dict:
-    """The contractions to rewrite: var -> ("gemm", x, w, transposed, x shape, K, N, batch dims of w) or
-    ("wgrad", x, dy, rows, K, N). ``weights`` None (training): every 2-D right operand and the weight
+    """The contractions to rewrite: var -> Gemm or WeightGradient. ``weights`` None (training): every 2-D right operand and the weight
     gradients; else only right operands computed from ``weights`` alone. Batched
     contractions of activations (attention) in both, under bf16 only."""
     bindings, seen = bindings_of(func), {}
@@ -123,7 +147,7 @@ def _plan(func: relax.Function, weights: set | None, packing: Packing = BF16) ->
         n, k = (w_shape if operand[1] else w_shape[::-1])
         if not packing.fits(k, n):
             continue  # stays as it is: the packed layout needs whole panels (bf16: N % 16 == 0 and K even)
-        targets[var] = ("gemm", x, operand[0], operand[1], x_shape, k, n, 0)
+        targets[var] = Gemm(x, operand[0], operand[1], x_shape, k, n, 0)
     return targets
 
 
@@ -137,7 +161,7 @@ def _rows_by_k(x, packing: Packing):
 
 
 def _weight_gradient(x, w, bindings: dict, packing: Packing = BF16):
-    """("wgrad", X, dY, rows, K, N) when the contraction is matmul(permute_dims(X), dY) of 2-D X [rows, K] and
+    """A WeightGradient when the contraction is matmul(permute_dims(X), dY) of 2-D X [rows, K] and
     dY [rows, N] in fp32: the left operand is converted transposed, in tiles."""
     left, right = _matrix_operand(x, bindings), _matrix_operand(w, bindings)
     if left is None or right is None or not left[1] or right[1]:
@@ -149,7 +173,7 @@ def _weight_gradient(x, w, bindings: dict, packing: Packing = BF16):
     if rows != rows_dy or left[0].ty.dtype != "float32" or right[0].ty.dtype != "float32" or \
             not packing.fits(rows, n):
         return None
-    return "wgrad", left[0], right[0], rows, k, n
+    return WeightGradient(left[0], right[0], rows, k, n)
 
 
 def bf16_contractions(training: bool = False) -> tvm.transform.Pass:
@@ -210,18 +234,16 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Pac
             target = targets.get(binding.var)
             if target is None:
                 return super().visit_var_binding_(binding)
-            kind, x = target[0], target[1]
-            if kind == "gemm":
-                _, _, w, transposed, x_shape, k, n, batch = target
-                packed = self._pack(self.visit_expr(w), k, n, transposed, x_shape[:batch])
-                a_bits = self._convert(x, to_bf16_func, x_shape, "to_bf16")
-                out = self._gemm(a_bits, packed, x_shape[:-1], k, n, batch)
+            t = target
+            if isinstance(t, Gemm):
+                packed = self._pack(self.visit_expr(t.w), t.k, t.n, t.transposed, t.x_shape[:t.batch])
+                a_bits = self._convert(t.x, to_bf16_func, t.x_shape, "to_bf16")
+                out = self._gemm(a_bits, packed, t.x_shape[:-1], t.k, t.n, t.batch)
             else:  # dW = X^T dY over every row
-                _, _, dy, rows, k, n = target
-                packed = self._pack(self.visit_expr(dy), rows, n, False)
-                a_bits = self._convert(x, lambda shape: transposed_rows_func(shape, packing), [k, rows],
+                packed = self._pack(self.visit_expr(t.dy), t.rows, t.n, False)
+                a_bits = self._convert(t.x, lambda shape: transposed_rows_func(shape, packing), [t.k, t.rows],
                                        packing.transposed_name)
-                out = self._gemm(a_bits, packed, [k], rows, n)
+                out = self._gemm(a_bits, packed, [t.k], t.rows, t.n)
             self.set_var_remap(binding.var, out)
             return None
 

@@ -203,7 +203,7 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
         metaschedule_fixes.reset_metaschedule_logging()
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
             tasks, logs, strategy="evolutionary", num_threads=num_cores(), seed=seed)
-        contexts, weights = _drop_unschedulable(contexts, weights, stream, seed)
+        contexts, weights = drop_unschedulable(contexts, weights, stream, seed)
         database = ms.database.JSONDatabase(work_dir=logs)
         stop = lambda: stopped() is not None  # noqa: E731
         builder = StoppableBuilder(make_builder(), stop, num_cores(), deadline, measured=lambda: progress.done > 0)
@@ -246,7 +246,7 @@ def _without_consumer_fusion(ctx, seed):
                           num_threads=ctx.num_threads)
 
 
-def _drop_unschedulable(contexts, weights, stream, seed=0):
+def drop_unschedulable(contexts, weights, stream, seed=0):
     """MetaSchedule aborts the whole run when one task's design space cannot be generated. In 0.27 its
     multi-level tiling raises in reverse_compute_at on the paper's fused kernels (sm, bdrln: a reduction
     whose consumer also reads other reductions); those are tuned in a space without that consumer fusion. A
