@@ -103,12 +103,12 @@ def _add_tune_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX file or embedded model name (bert-base-layer, ...)")
     parser.add_argument("--logs", required=True, help="log directory (MetaSchedule JSON database)")
     parser.add_argument("--target", default="llvm", help="llvm, cuda or cuda:sm_80 (default llvm)")
-    parser.add_argument("--trials", type=int, default=64, help="total trials wanted in the log (default 64)")
-    parser.add_argument("--per-iter", type=int, default=8, help="trials per task per round (default 8)")
+    parser.add_argument("--trials", type=_positive_int, default=64, help="total trials wanted in the log (default 64)")
+    parser.add_argument("--per-iter", type=_positive_int, default=8, help="trials per task per round (default 8)")
     parser.add_argument("--shape", action="append", default=[], type=_parse_shape, metavar="NAME=D0xD1",
                         help="bind an input shape")
-    parser.add_argument("--batch", type=int, help="bind every (batch, seq) input's batch dim")
-    parser.add_argument("--seq", type=int, help="bind every (batch, seq) input's seq dim")
+    parser.add_argument("--batch", type=_positive_int, help="bind every (batch, seq) input's batch dim")
+    parser.add_argument("--seq", type=_positive_int, help="bind every (batch, seq) input's seq dim")
     parser.add_argument("--fusion", default=DEFAULT_FUSION, choices=list(FUSION_LEVELS))
     parser.add_argument("--layout", default=DEFAULT_LAYOUT, help="attention layout under --fusion paper (see tvmdm.compile)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
@@ -121,6 +121,17 @@ def _add_tune_options(parser: argparse.ArgumentParser) -> None:
                         "kept; rerun to continue)")
     parser.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on RPC servers through this tracker")
     parser.add_argument("--rpc-key", help="device key the RPC servers registered with")
+
+
+def _positive_int(text: str) -> int:
+    """A size (--batch, --seq, --steps, --trials...): a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -220,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run an artifact or ONNX model on given or synthetic inputs")
     p.add_argument("model", help=f"artifact (*{ARTIFACT_SUFFIX}), ONNX file or embedded model name")
     p.add_argument("--inputs", help="npz file of inputs (default: synthetic inputs)")
-    p.add_argument("--batch", type=int, default=2, help="batch size for synthetic inputs (default 2)")
-    p.add_argument("--seq", type=int, default=8, help="sequence length for synthetic inputs (default 8)")
+    p.add_argument("--batch", type=_positive_int, default=2, help="batch size for synthetic inputs (default 2)")
+    p.add_argument("--seq", type=_positive_int, default=8, help="sequence length for synthetic inputs (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", "-o", help="write outputs to this npz file")
     p.add_argument("--check", action="store_true", help="compare against onnxruntime (ONNX models only)")
@@ -235,8 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="tvmdm vs onnxruntime (plain, BERT-optimized) and PyTorch, same threads")
     p.add_argument("model", nargs="?", default="bert-base-layer", help="ONNX file or embedded model name")
     p.add_argument("--model", dest="model_flag", help="same as the positional MODEL")
-    p.add_argument("--batch", type=int, help="batch (default: the embedded model's)")
-    p.add_argument("--seq", type=int, help="sequence length (default: the embedded model's)")
+    p.add_argument("--batch", type=_positive_int, help="batch (default: the embedded model's)")
+    p.add_argument("--seq", type=_positive_int, help="sequence length (default: the embedded model's)")
     p.add_argument("--target", default="llvm", help="llvm, or cuda on a machine with a GPU")
     p.add_argument("--fusion", default=DEFAULT_FUSION, help="comma-separated fusion levels to time (first is 'tvmdm')")
     p.add_argument("--untuned", action="store_true", help="also time tvmdm without tuning logs")
@@ -244,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "system (tvmdm[bf16]: bf16 contractions, checked to 1e-2 relative error)")
     p.add_argument("--train", action="store_true", help="time one training step (forward, loss, backward, AdamW) "
                    "against PyTorch eager and torch.compile instead of inference")
-    p.add_argument("--min-runs", type=int, default=5, help="timed runs per round; rounds go on until the median "
+    p.add_argument("--min-runs", type=_positive_int, default=5, help="timed runs per round; rounds go on until the median "
                    "moves < 2%% (default 5)")
     p.add_argument("--max-seconds", type=float, default=30.0, help="time limit per system (default 30)")
     p.add_argument("--no-ort-opt", action="store_true", help="skip onnxruntime.transformers' BERT optimizer")
@@ -271,16 +282,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a roofline + bytes-by-class plot (PNG)")
     p.add_argument("--measure", action="store_true", help="time every kernel (static shapes; slow on big models)")
     p.add_argument("--shape", action="append", type=_parse_shape, metavar="NAME=D0xD1")
-    p.add_argument("--batch", type=int)
-    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=_positive_int)
+    p.add_argument("--seq", type=_positive_int)
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("train", help="train a BERT classifier on a synthetic task with the compiled training step")
     p.add_argument("model", nargs="?", help="ONNX sequence-classification export (default: the embedded "
                    "bert-small with a classifier head)")
-    p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
-    p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
-    p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
+    p.add_argument("--steps", type=_positive_int, default=50, help="training steps (default 50)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="batch size (default 8)")
+    p.add_argument("--seq", type=_positive_int, default=32, help="sequence length (default 32)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and the dropout masks")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default 0)")
@@ -293,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="compile an embedded BERT model, run it and check it against onnxruntime")
     p.add_argument("--model", default="bert-base-layer", help="embedded model (default: bert-base-layer)")
-    p.add_argument("--batch", type=int, help="batch size (default: the model's, 8 for bert-base-layer)")
-    p.add_argument("--seq", type=int, help="sequence length (default: the model's, 128 for bert-base-layer)")
+    p.add_argument("--batch", type=_positive_int, help="batch size (default: the model's, 8 for bert-base-layer)")
+    p.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's, 128 for bert-base-layer)")
     p.add_argument("--target", default="llvm")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -19,8 +19,16 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from tvmdm.core.errors import InputError
+
 LOSSES = ("mse", "cross_entropy")
 IGNORE_INDEX = -100  # label value that cross_entropy skips, as in torch and HF (padding, unmasked MLM tokens)
+
+
+def check_learning_rate(lr) -> float:
+    if not (isinstance(lr, (int, float, np.floating)) and math.isfinite(lr) and lr >= 0.0):
+        raise InputError(f"the learning rate must be a finite number >= 0, got {lr!r}")
+    return float(lr)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +39,16 @@ class AdamW:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 1e-2
+
+    def __post_init__(self):  # torch.optim.AdamW's rules: a NaN here would turn every weight into NaN
+        check_learning_rate(self.lr)
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
+                and all(math.isfinite(b) and 0.0 <= b < 1.0 for b in self.betas)):
+            raise InputError(f"AdamW betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not (math.isfinite(self.eps) and self.eps >= 0.0):
+            raise InputError(f"AdamW eps must be a finite number >= 0, got {self.eps!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0.0):
+            raise InputError(f"AdamW weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
 
     def scalars(self, step: int, lr: float | None = None) -> list[np.ndarray]:
         """The per-step inputs of train_step for 1-based ``step``: [decay, step_size, bc2_sqrt]."""

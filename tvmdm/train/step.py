@@ -37,6 +37,7 @@ VERSION = 1
 TARGET_KEYS = ("labels", "target")  # the batch key holding the loss target (HF calls it labels)
 AdamW = train_graph.AdamW
 LossScaler = train_graph.LossScaler
+IGNORE_INDEX = train_graph.IGNORE_INDEX
 
 
 class TrainStep(ModelRunner):
@@ -86,12 +87,22 @@ class TrainStep(ModelRunner):
             got = f"{target.dtype} {list(target.shape)}" if isinstance(target, np.ndarray) else type(target).__name__
             raise InputError(f"batch[{keys[0]!r}] must be {spec.dtype} {list(spec.shape)} for the "
                              f"{self.loss_name} loss, got {got}")
+        if self.loss_name == "cross_entropy":
+            self._check_labels(keys[0], target)
         checked = self.check_inputs({k: v for k, v in batch.items() if k != keys[0]})
         self._ensure_loaded()
         # the inputs, then the dropout masks of the coming step (the same ones step() and gradients() use)
         args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names] + \
             [tvm.runtime.tensor(m, self.device) for m in self.dropout.masks(self.step_count + 1)]
         return args, tvm.runtime.tensor(np.asarray(target, order="C"), self.device)
+
+    def _check_labels(self, key: str, labels: np.ndarray) -> None:
+        """Class ids in [0, classes) or IGNORE_INDEX: one_hot of any other id is a row of zeros, a silent loss."""
+        classes = int(self.outputs[0].shape[-1])
+        bad = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= classes))]
+        if bad.size:
+            raise InputError(f"batch[{key!r}] holds class id {int(bad.flat[0])}: the output {self.outputs[0].name!r} "
+                             f"has {classes} classes, so ids must be in [0, {classes}) or {IGNORE_INDEX} (ignored)")
 
     def _scale_args(self, scale: float | None = None) -> list:
         """The loss-scale input of a loss-scaled module (``scale``, or the scaler's): nothing otherwise."""
@@ -139,7 +150,8 @@ class TrainStep(ModelRunner):
 
     def _update_scalars(self) -> list:
         """AdamW's per-step inputs (decay, step size, bias correction) for the coming step, on the device."""
-        return [tvm.runtime.tensor(s, self.device) for s in self.optimizer.scalars(self.step_count + 1, self.lr)]
+        lr = train_graph.check_learning_rate(self.lr)
+        return [tvm.runtime.tensor(s, self.device) for s in self.optimizer.scalars(self.step_count + 1, lr)]
 
     def _take_update(self, updated: list) -> None:
         n = len(self._params)

@@ -104,6 +104,9 @@ def run_train(model=None, *, steps: int = 50, batch: int = 8, seq: int = 32, lr:
               export: str | None = None, dropout: float = 0.0, checkpoint=False, stream=None) -> list[float]:
     from tvmdm.train.step import AdamW, compile_train_step
 
+    from tvmdm.runtime.inputs import check_positive
+
+    check_positive("steps", steps)
     stream = stream or sys.stderr
     proto = classifier_model() if model is None else model
     label = DEFAULT_MODEL + " + classifier" if model is None else str(model)
