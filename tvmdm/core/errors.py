@@ -27,3 +27,8 @@ class ArtifactError(TvmdmError, ValueError):
 
 class TargetError(TvmdmError, ValueError):
     """An unknown or malformed compilation target."""
+
+
+# Prefix of the message a compiled module's index guard raises (tvmdm.transform.index_guards); the runner turns
+# such a failure into an InputError.
+INDEX_GUARD_MARK = "tvmdm index guard: "

@@ -10,7 +10,7 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine  # (relax.VirtualMachine; this one loads with libtvm_runtime alone)
 
-from tvmdm.core.errors import InputError, TvmdmError
+from tvmdm.core.errors import INDEX_GUARD_MARK as GUARD_MARK, InputError, TvmdmError
 
 
 TRANSFORM_PARAMS = "main_transform_params"  # relax.transform.LiftTransformParams' weight-only function
@@ -125,7 +125,13 @@ class ModelRunner:
         checked = self.check_inputs(inputs)
         self._ensure_loaded()
         args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names]
-        result = self._vm["main"](*args, *self._params)
+        try:
+            result = self._vm["main"](*args, *self._params)
+        except AssertionError as err:  # the module's own index guard (tvmdm.transform.index_guards)
+            message = str(err).strip()
+            if GUARD_MARK not in message:
+                raise
+            raise InputError(message[message.index(GUARD_MARK) + len(GUARD_MARK):].splitlines()[0]) from None
         results = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
         return [r.numpy() for r in results]
 

@@ -25,6 +25,7 @@ from tvm import relax, tirx
 from tvmdm.core.options import Options
 from tvmdm.transform.fast_math import fast_math
 from tvmdm.transform.graph_rewrites import paper_graph_rewrites
+from tvmdm.transform.index_guards import guard_gathers
 from tvmdm.transform.ir import op_name
 from tvmdm.transform.patterns import (FORWARD_KERNELS, inline_pattern_kernels, name_paper_kernels, paper_patterns,
                                       record_read_fractions)
@@ -96,7 +97,10 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     merged QKV), weight-only work lifted to main_transform_params (inference only: a training step changes its
     weights every step), then the paper's pattern fusion."""
     paper = options.fusion == "paper"
-    passes = [paper_graph_rewrites(options.layout)] if paper else []
+    # CPU inference: gathers clipped into their tables and checked (a training step's gathers keep their mode:
+    # its inputs are checked by the runner; CUDA: see index_guards)
+    passes = [guard_gathers()] if options.on_cpu and not options.training else []
+    passes += [paper_graph_rewrites(options.layout)] if paper else []
     passes += list(training.before_precision)
     passes += precision_passes(options.precision, training=options.training, target_kind=options.target_kind,
                                packed_lanes=options.packed_lanes)

@@ -1,0 +1,91 @@
+"""guard_gathers: no gather reads outside its table, and an index outside it is an error, not a wrong answer.
+
+Preconditions: the imported graph (``main`` with dataflow blocks, before fusion; its "num_input" attribute
+tells the inputs from the weights). Every ``take(table, indices)`` from a weight or constant table becomes
+``take(..., mode="clip")`` (in range by construction: the ONNX frontend's "fast" mode reads past the table, a
+crash or garbage), and the graph checks at run time that every index was in range: ``assert_op`` after the
+dataflow block, with a message naming the input the indices come from, or, for indices the graph computes
+(position ids from Range), the longest sequence the table allows. The check lives in the compiled module, so
+no manifest can turn it off (the runner turns the failure into an InputError). CPU targets only: assert_op
+reads its condition on the host, and a CUDA module's tensors live on the device (the runner's own check of
+the inputs still holds there).
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from tvmdm.core.errors import INDEX_GUARD_MARK
+from tvmdm.transform.ir import bindings_of, call_op
+
+GUARD_MARK = INDEX_GUARD_MARK
+_SAME_VALUES = ("relax.astype", "relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.permute_dims",
+                "relax.flatten", "relax.broadcast_to")
+
+
+def _source_input(var, values: dict, inputs: set):
+    """The graph input whose values ``var`` carries (through casts and reshapes), or None."""
+    while True:
+        if var in inputs:
+            return var
+        value = values.get(var)
+        if call_op(value) == "relax.where":  # the frontend's where(i < 0, i + rows, i): negative ids count back
+            var = value.args[2]
+        elif call_op(value) in _SAME_VALUES:
+            var = value.args[0]
+        else:
+            return None
+
+
+def _message(source, rows: int) -> str:
+    if source is not None:
+        return f"{GUARD_MARK}input {str(source.name)!r} holds index {{}}, outside [0, {rows}) of a table of {rows} rows"
+    return (f"{GUARD_MARK}position {{}} is outside the model's position table of {rows} rows: sequences may be at "
+            f"most {rows} tokens long")
+
+
+def guard_gathers() -> tvm.transform.Pass:
+    @tvm.transform.module_pass(opt_level=0, name="tvmdm.GuardGathers")
+    def run(mod, _ctx):
+        if "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
+            return mod
+        func = mod["main"]
+        n_in = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else len(func.params)
+        inputs, tables = set(func.params[:n_in]), set(func.params[n_in:])
+        values = bindings_of(func)
+        guarded = {var for var, value in values.items() if call_op(value) == "relax.take"
+                   and (value.args[0] in tables or isinstance(value.args[0], tvm.ir.expr.Constant))
+                   and "int" in str(value.args[1].ty.dtype) and len(value.args[0].ty.shape.values) >= 1}
+        if not guarded:
+            return mod
+        checks = []
+
+        @relax.expr_functor.mutator
+        class Guard(relax.PyExprMutator):
+            def visit_var_binding_(self, binding):
+                if binding.var not in guarded:
+                    return super().visit_var_binding_(binding)
+                take = values[binding.var]
+                table, indices = self.visit_expr(take.args[0]), self.visit_expr(take.args[1])
+                axis = int(take.attrs.axis)
+                rows = int(take.args[0].ty.shape.values[axis])
+                bb = self.builder_
+                self.set_var_remap(binding.var, bb.emit(relax.op.take(table, indices, axis=axis, mode="clip")))
+                low, high = bb.emit(relax.op.min(indices)), bb.emit(relax.op.max(indices))
+                in_range = relax.op.logical_and(relax.op.greater_equal(low, relax.const(0, low.ty.dtype)),
+                                                relax.op.less(high, relax.const(rows, high.ty.dtype)))
+                bad = relax.op.where(relax.op.less(low, relax.const(0, low.ty.dtype)), low, high)
+                checks.append((bb.emit_output(in_range), bb.emit_output(bad),
+                               _message(_source_input(take.args[1], values, inputs), rows)))
+                return None
+
+        body = Guard(mod).visit_expr(func).body
+        asserts = [relax.VarBinding(relax.Var("index_guard", relax.TupleType([])),
+                                    relax.op.assert_op(ok, [bad], format=message)) for ok, bad, message in checks]
+        out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
+        out["main"] = relax.Function(func.params, relax.SeqExpr(list(body.blocks) + [relax.BindingBlock(asserts)],
+                                                                body.body), func.ret_ty, func.is_pure,
+                                     attrs=func.attrs)
+        return out
+
+    return run
