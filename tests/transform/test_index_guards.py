@@ -32,6 +32,33 @@ def test_the_pass_clips_the_gather_and_asserts_after_the_graph():
     assert guard_gathers()(guard_gathers()(Embedding))["main"].script().count("R.assert_op") == 2  # one a pass
 
 
+def test_the_guarded_module_is_well_formed_and_normalized():
+    """assert_op is impure (main must say so), and its calls carry their types: a later mutator that had to fill
+    them in would change main's structural hash in place, which BlockBuilder.update_func refuses (FastMath did,
+    under the stock fusion)."""
+    from tvm import relax
+    from tvm_ffi import structural_hash
+
+    guarded = guard_gathers()(Embedding)
+    relax.analysis.well_formed(guarded)  # raises on an impure call in a pure function
+    assert not guarded["main"].is_pure
+    @relax.expr_functor.mutator
+    class Identity(relax.PyExprMutator):
+        pass
+
+    before = structural_hash(guarded["main"])
+    Identity(guarded).visit_expr(guarded["main"])
+    assert structural_hash(guarded["main"]) == before
+
+
+def test_the_stock_fusion_keeps_the_guard(small):
+    model, _, rows = small
+    compiled = tvmdm.compile(model, fusion="tvm")
+    assert compiled.check(tvmdm.random_inputs(compiled, batch=1, seq=8)).ok
+    with pytest.raises(tvmdm.InputError, match="sequences may be at most"):
+        compiled.run(tvmdm.random_inputs(compiled, batch=1, seq=rows + 1))
+
+
 @pytest.fixture(scope="module")
 def small():
     model = tvmdm.default_model("bert-small")
@@ -86,3 +113,33 @@ def test_cuda_modules_keep_the_frontend_gathers(small):
     model, _, _ = small
     compiled = tvmdm.compile(model, target="cuda:sm_90")
     assert "assert" not in compiled.mod["main"].script()
+
+
+DEPLOYED = """
+import sys
+import numpy as np
+import tvmdm
+runner = tvmdm.load(sys.argv[1])
+good = tvmdm.random_inputs(runner, batch=1, seq=4)
+runner.run(good)
+try:
+    runner.run(tvmdm.random_inputs(runner, batch=1, seq=int(sys.argv[2]) + 1))
+except tvmdm.InputError as err:
+    print("refused:", err)
+assert "tvm.relax" not in sys.modules, "relax was imported"
+"""
+
+
+def test_a_deployed_artifact_checks_with_tvms_runtime_alone(small, tmp_path):
+    """TVM_USE_RUNTIME_LIB=1 loads no Relax, whose Python package registers assert_op's VM function: the runner
+    provides it."""
+    import os
+    import subprocess
+    import sys
+
+    _, compiled, rows = small
+    path = compiled.export(tmp_path / "m.tvmdm")
+    done = subprocess.run([sys.executable, "-c", DEPLOYED, path, str(rows)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, TVM_USE_RUNTIME_LIB="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"refused: position {rows} is outside the model's position table of {rows} rows" in done.stdout

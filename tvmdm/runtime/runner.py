@@ -48,6 +48,7 @@ class ModelRunner:
             if not self.device.exist:
                 raise TvmdmError(f"this module was compiled for {self.target_kind}, but no {self.target_kind} device "
                                  "is present here: export it and run it on a machine that has one")
+            _provide_assert_op()
             self._vm = VirtualMachine(self._executable, self.device)
             self._params = []
             for name in self._param_names:
@@ -143,3 +144,19 @@ class ModelRunner:
         self._vm.set_input("main", *args)
         timer = self._vm.time_evaluator("invoke_stateful", self.device, number=1, repeat=repeat, min_repeat_ms=0)
         return list(timer("main").results)
+
+
+def _provide_assert_op() -> None:
+    """The VM function behind Relax's assert_op (the index guards use it) is registered by TVM's Relax Python
+    package, which a deployed process (TVM_USE_RUNTIME_LIB=1, no relax imported) does not load: register the same
+    behaviour there. Arguments: the condition (a bool scalar), a Python format string, its arguments."""
+    if tvm.get_global_func("relax.run.assert_op", allow_missing=True) is not None:
+        return
+
+    def assert_op(condition, format_str, *format_args):
+        value = condition.numpy() if isinstance(condition, tvm.runtime.Tensor) else condition
+        if not bool(value):
+            shown = [a.numpy() if isinstance(a, tvm.runtime.Tensor) else a for a in format_args]
+            raise AssertionError(str(format_str).format(*shown) if format_str else ", ".join(map(str, shown)))
+
+    tvm.register_global_func("relax.run.assert_op", assert_op)

@@ -70,7 +70,9 @@ def guard_gathers() -> tvm.transform.Pass:
                 axis = int(take.attrs.axis)
                 rows = int(take.args[0].ty.shape.values[axis])
                 bb = self.builder_
-                self.set_var_remap(binding.var, bb.emit(relax.op.take(table, indices, axis=axis, mode="clip")))
+                # the same var: a graph output (not a DataflowVar) stays one
+                clipped = bb.normalize(relax.op.take(table, indices, axis=axis, mode="clip"))
+                bb.emit_normalized(relax.VarBinding(binding.var, clipped))
                 low, high = bb.emit(relax.op.min(indices)), bb.emit(relax.op.max(indices))
                 in_range = relax.op.logical_and(relax.op.greater_equal(low, relax.const(0, low.ty.dtype)),
                                                 relax.op.less(high, relax.const(rows, high.ty.dtype)))
@@ -82,10 +84,13 @@ def guard_gathers() -> tvm.transform.Pass:
         body = Guard(mod).visit_expr(func).body
         asserts = [relax.VarBinding(relax.Var("index_guard", relax.TupleType([])),
                                     relax.op.assert_op(ok, [bad], format=message)) for ok, bad, message in checks]
+        # assert_op is impure, so main is too (well-formedness); normalized here so that no later mutator fills
+        # in the new calls' types in place (that changes main's structural hash under a BlockBuilder's feet)
+        guarded_main = relax.Function(func.params, relax.SeqExpr(list(body.blocks) + [relax.BindingBlock(asserts)],
+                                                                 body.body), func.ret_ty, is_pure=False,
+                                      attrs=func.attrs)
         out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-        out["main"] = relax.Function(func.params, relax.SeqExpr(list(body.blocks) + [relax.BindingBlock(asserts)],
-                                                                body.body), func.ret_ty, func.is_pure,
-                                     attrs=func.attrs)
+        out["main"] = relax.BlockBuilder(out).normalize(guarded_main)
         return out
 
     return run
