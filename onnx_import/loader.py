@@ -1,7 +1,8 @@
 """Read an ONNX model from a path or a ModelProto and check it before TVM sees it.
 
 TVM's frontend assumes a well-formed graph: a missing file, a truncated protobuf or an unknown operator
-surfaces there as a bare traceback (or worse). Every such case is caught here with the file, node or op named.
+surfaces there as a bare traceback (or worse). Every such case is caught here with the file, node or op named;
+then onnx_import.model_checks makes onnxruntime's checks.
 """
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
+from onnx_import.model_checks import check_model
 from tvmdm.core.errors import ModelLoadError
 
 
 def load_model_proto(model: "str | os.PathLike | onnx.ModelProto") -> tuple[onnx.ModelProto, str]:
     """Return the ModelProto (external data loaded and confined to the model's folder) and a label for messages."""
     if isinstance(model, onnx.ModelProto):
-        _check_structure(model, "<ModelProto>")
-        return model, f"<ModelProto {model.graph.name or 'unnamed'}>"
+        label = f"<ModelProto {model.graph.name or 'unnamed'}>"
+        _check_structure(model, label)
+        check_model(model, label)
+        return model, label
     if not isinstance(model, (str, os.PathLike)):
         raise ModelLoadError(f"expected a path, an onnx.ModelProto or a tvm.IRModule, got {type(model).__name__}")
     path = Path(model)
@@ -33,6 +37,7 @@ def load_model_proto(model: "str | os.PathLike | onnx.ModelProto") -> tuple[onnx
         raise ModelLoadError(f"{path}: not a valid ONNX model (truncated or not ONNX): {err}") from None
     _check_structure(proto, str(path))
     _load_external_data(proto, path)
+    check_model(proto, str(path), str(path))
     return proto, str(path)
 
 
@@ -43,7 +48,13 @@ def _check_structure(proto: onnx.ModelProto, label: str) -> None:
     if not proto.graph.node or not proto.graph.output:
         raise ModelLoadError(f"{label}: the ONNX graph is empty (no nodes or no outputs; truncated file?)")
     known = {t.name for t in proto.graph.initializer} | {i.name for i in proto.graph.input} | {""}
+    writers: dict[str, str] = {}
     for node in proto.graph.node:
+        for name in node.output:
+            if name and name in writers:
+                raise ModelLoadError(f"{label}: tensor {name!r} is written by node {writers[name]!r} and again by "
+                                     f"node {node.name or node.op_type!r}; a tensor has one writer (ONNX's SSA rule)")
+            writers[name] = node.name or node.op_type
         for name in node.input:
             if name not in known:
                 raise ModelLoadError(

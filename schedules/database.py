@@ -11,8 +11,12 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import tempfile
+import time
 import warnings
+
+from tvmdm.core.errors import TvmdmError
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
@@ -23,7 +27,11 @@ class TuningLogWarning(UserWarning):
     """A tuning log line (or the whole log) could not be used; compile continues without it."""
 
 
-class LogsInUseError(RuntimeError):
+class TuningLogError(TvmdmError, ValueError):
+    """A tuning log the tuner cannot go on with (its meta.json unreadable, --logs not a directory)."""
+
+
+class LogsInUseError(TvmdmError, RuntimeError):
     """Another tuner holds the lock on this log directory."""
 
 
@@ -113,26 +121,32 @@ def load_database(logs_dir: str):
 
 
 def _load(logs_dir: str):
+    with tempfile.TemporaryDirectory() as tmp:
+        return _readable(logs_dir, tmp)[0]
+
+
+def _readable(logs_dir: str, tmp: str):
+    """(database, None) when TVM reads the usable lines of ``logs_dir`` (copied into ``tmp``) whole, else
+    (database of the records it can read, the lines of ``tmp``'s record file that those are)."""
     from tvm.s_tir import meta_schedule as ms
 
-    with tempfile.TemporaryDirectory() as tmp:
-        rec_numbers = clean_copy(logs_dir, tmp)
-        try:
-            # JSONDatabase reads both files into memory when constructed: the temporary copy can go.
-            return ms.database.JSONDatabase(work_dir=tmp, allow_missing=False)
-        except Exception:  # noqa: BLE001 - TVM fails the whole log for one record it cannot read back
-            return _load_record_by_record(logs_dir, tmp, rec_numbers)
+    rec_numbers = clean_copy(logs_dir, tmp)
+    try:
+        # JSONDatabase reads both files into memory when constructed: the temporary copy can go.
+        return ms.database.JSONDatabase(work_dir=tmp, allow_missing=False), None
+    except Exception:  # noqa: BLE001 - TVM fails the whole log for one record it cannot read back
+        return _load_record_by_record(logs_dir, tmp, rec_numbers)
 
 
 def _load_record_by_record(logs_dir: str, clean_dir: str, rec_numbers: list[int]):
-    """The records of ``clean_dir`` TVM can read, one at a time, in a MemoryDatabase; a warning names each
-    record it cannot (e.g. 0.27 writes rfactor traces of column reductions its own loader then rejects:
-    "parallel_for_dynamic error", and JSONDatabase gives up on the whole log)."""
+    """The records of ``clean_dir`` TVM can read, one at a time, in a MemoryDatabase, and their lines; a warning
+    names each record it cannot (e.g. 0.27 writes rfactor traces of column reductions its own loader then
+    rejects: "parallel_for_dynamic error", and JSONDatabase gives up on the whole log)."""
     from tvm.s_tir import meta_schedule as ms
 
     with open(os.path.join(clean_dir, WORKLOADS)) as f:
         workloads = [json.loads(line) for line in f]
-    database, committed = ms.database.MemoryDatabase(), {}
+    database, committed, kept = ms.database.MemoryDatabase(), {}, []
     rec_path = os.path.join(logs_dir, RECORDS)
     with open(os.path.join(clean_dir, RECORDS)) as f:
         for number, line in zip(rec_numbers, f):
@@ -141,10 +155,52 @@ def _load_record_by_record(logs_dir: str, clean_dir: str, rec_numbers: list[int]
                 if index not in committed:
                     committed[index] = database.commit_workload(ms.database.Workload.from_json(workloads[index]).mod)
                 database.commit_tuning_record(ms.database.TuningRecord.from_json(record, committed[index]))
+                kept.append(line)
             except Exception as err:  # noqa: BLE001 - TVM raises plain errors for semantically bad records
                 warnings.warn(f"{rec_path}:{number}: tuning record TVM cannot read back skipped "
-                              f"({str(err).strip().splitlines()[-1][:120]})", TuningLogWarning, stacklevel=4)
-    return database
+                              f"({str(err).strip().splitlines()[-1][:120]})", TuningLogWarning, stacklevel=5)
+    return database, kept
+
+
+def repair(logs_dir: str) -> list[str]:
+    """Before a tuner appends to ``logs_dir`` (TVM's JSONDatabase reads it whole and fails on one bad line):
+    when any line is unusable (half written by a kill, corrupt, or a record TVM cannot read back), the files
+    are set aside whole as ``<file>.<time>.bak`` (nothing is lost) and replaced by their usable lines, the
+    same lines compile applies. Returns the backups written (none when the log was clean)."""
+    files = [os.path.join(logs_dir, name) for name in (WORKLOADS, RECORDS)]
+    if not os.path.isfile(files[0]):
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        _, kept = _readable(logs_dir, tmp)
+        if kept is not None:
+            with open(os.path.join(tmp, RECORDS), "w") as f:
+                f.writelines(kept)
+        cleaned = [os.path.join(tmp, name) for name in (WORKLOADS, RECORDS)]
+        if all(_same_lines(a, b) for a, b in zip(files, cleaned)):
+            return []
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        backups = []
+        for original, clean in zip(files, cleaned):
+            if os.path.isfile(original):
+                backups.append(f"{original}.{stamp}.bak")
+                os.replace(original, backups[-1])
+            shutil.copyfile(clean, original)
+    return backups
+
+
+def _same_lines(a: str, b: str) -> bool:
+    """Whether two log files hold the same entries (clean_copy re-serializes the lines it keeps)."""
+    def entries(path):
+        if not os.path.isfile(path):
+            return []
+        with open(path, encoding="utf-8", errors="replace") as f:
+            try:
+                return [json.loads(line) for line in f if line.strip()]
+            except ValueError:
+                return None
+
+    found = entries(a)
+    return found is not None and found == entries(b)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import warnings
 import tvm
 from tvm import relax
 
-from schedules.database import TuningLogWarning, load_database
+from schedules.database import TuningLogError, TuningLogWarning, load_database
 from schedules.rule import ScheduleRule, is_scheduled
 from tvmdm.core.target import vector_bits
 
@@ -25,12 +25,8 @@ def shipped_logs(target) -> list[str]:
     kind = target if isinstance(target, str) else target.kind.name
     found, skipped = [], []
     for name in sorted(os.listdir(SHIPPED_LOGS)):
-        meta = os.path.join(SHIPPED_LOGS, name, META)
-        if not os.path.isfile(meta):
-            continue
-        with open(meta) as f:
-            info = json.load(f)
-        if info.get("target_kind") != kind:
+        info = meta_or_warn(os.path.join(SHIPPED_LOGS, name))
+        if info is None or info.get("target_kind") != kind:
             continue
         if not isinstance(target, str) and tuned_wider(info, target):
             skipped.append(name)
@@ -53,14 +49,10 @@ def tuned_on_this_cpu(logs_dir, target: tvm.target.Target) -> bool:
     register tiles suit the CPU they were measured on: the Zen 4 logs ran the base layer's contractions at
     68-85 % of the GEMM peak on a Sapphire Rapids VM, where schedules.packed reaches 91-97 %. A log without
     meta.json (one a user tuned and passed) is taken to be tuned here."""
-    meta_path = os.path.join(os.fspath(logs_dir), META)
-    if target.kind.name != "llvm" or not os.path.isfile(meta_path):
+    meta = meta_or_warn(logs_dir) if target.kind.name == "llvm" else None
+    tuned = _tuned_target(meta, logs_dir)
+    if tuned is None:
         return True
-    with open(meta_path) as f:
-        tuned = json.load(f).get("target")
-    if not tuned:
-        return True
-    tuned = tvm.target.Target(json.loads(tuned))
     return str(tuned.attrs.get("mcpu", "")) == str(target.attrs.get("mcpu", "")) and not (
         vector_bits(tuned) > vector_bits(target))
 
@@ -69,9 +61,65 @@ def tuned_wider(meta: dict, target: tvm.target.Target) -> bool:
     """Whether the log was tuned (``meta["target"]``) for wider vector registers than ``target`` has: records
     tuned with AVX-512's 32 registers in mind spill on AVX2 (the same CPU model with AVX-512 masked by its VM:
     56 GFLOP/s against 147 for schedules.packed). Other feature differences (a missing GFNI, say) keep the log."""
-    if target.kind.name != "llvm" or "target" not in meta:
-        return False
-    return vector_bits(tvm.target.Target(json.loads(meta["target"]))) > vector_bits(target)
+    tuned = _tuned_target(meta, "a shipped log") if target.kind.name == "llvm" else None
+    return tuned is not None and vector_bits(tuned) > vector_bits(target)
+
+
+def read_meta(logs_dir) -> dict | None:
+    """A log's meta.json (what was tuned, for which target), None where it has none; TuningLogError naming the
+    file where it is not a JSON object."""
+    path = os.path.join(os.fspath(logs_dir), META)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (ValueError, OSError) as err:
+        raise TuningLogError(f"{path}: unreadable ({err}); fix or delete it (the tuner writes it again)") from None
+    if not isinstance(meta, dict):
+        raise TuningLogError(f"{path}: expected a JSON object, got {type(meta).__name__}; fix or delete it")
+    return meta
+
+
+def meta_or_warn(logs_dir) -> dict | None:
+    """read_meta for compile: a broken meta.json warns and counts as none (the records still apply)."""
+    try:
+        return read_meta(logs_dir)
+    except TuningLogError as err:
+        warnings.warn(str(err), TuningLogWarning, stacklevel=2)
+        return None
+
+
+def _tuned_target(meta: dict | None, where) -> "tvm.target.Target | None":
+    if not meta or not meta.get("target"):
+        return None
+    try:
+        return tvm.target.Target(json.loads(meta["target"]))
+    except (ValueError, TypeError, RuntimeError) as err:
+        warnings.warn(f"{where}: meta.json's target is unreadable ({err}); taken as tuned here", TuningLogWarning,
+                      stacklevel=3)
+        return None
+
+
+def logs_for_target(dirs: list, target: tvm.target.Target) -> list:
+    """The user's log directories whose records can serve ``target``: a log meta.json labels for another
+    target kind (CUDA records on a CPU, say) is left out, and one tuned on another CPU model is applied after
+    the hand-written schedules; each with a warning that names it."""
+    kept = []
+    for logs_dir in dirs:
+        meta = meta_or_warn(logs_dir) or {}
+        kind = meta.get("target_kind")
+        if kind and kind != target.kind.name:
+            warnings.warn(f"{os.fspath(logs_dir)}: tuned for {kind}, not {target.kind.name}: its records are not "
+                          "applied", TuningLogWarning, stacklevel=4)
+            continue
+        tuned = _tuned_target(meta, logs_dir) if target.kind.name == "llvm" else None
+        if tuned is not None and not tuned_on_this_cpu(logs_dir, target):
+            warnings.warn(f"{os.fspath(logs_dir)}: tuned for {tuned.attrs.get('mcpu', 'another CPU')}, compiling "
+                          f"for {target.attrs.get('mcpu', 'this CPU')}: its records apply only where no "
+                          "hand-written schedule does", TuningLogWarning, stacklevel=4)
+        kept.append(logs_dir)
+    return kept
 
 
 class TuningRecords(ScheduleRule):

@@ -30,14 +30,17 @@ def test_gpu_run_without_gpu_falls_back_to_cpu_and_writes_everything(tmp_path):
     assert {"tvmdm", "torch-eager"} <= {t["system"] for t in bench["timings"]}
     train = steps["train"]["result"]
     assert {"tvmdm", "torch-eager"} <= {t["system"] for t in train["timings"]}
-    # 400 trials would take far longer: the tuner's own deadline ended it (no signal needed), keeping every
-    # batch it measured, at least the first
+    # 400 trials would take far longer: the deadline ended it, keeping every batch it measured, at least the
+    # first. Its own deadline as a rule; on a loaded machine a batch in flight may overrun the script's margin
+    # and the script's SIGINT ends it (the same records kept). The tuner's deadline rule itself is tested with
+    # a fake clock in tests/tune/test_scheduler.py, the SIGTERM path in tests/tune/test_tuning.py.
     tuning = steps["tune"]["result"]
-    assert tuning["status"] == "finished" and tuning["exit_code"] == 0 and tuning["records"] >= 1
+    assert (tuning["status"], tuning["exit_code"]) in {("finished", 0), ("interrupted after its deadline", 130)}
+    assert tuning["records"] >= 1
     assert (tmp_path / "tuning_logs" / "database_tuning_record.json").exists()
     assert steps["tuned"]["result"]["tuned_kernels"], "the records tuned in this run were not applied"
     assert {"tvmdm", "tvmdm-untuned"} <= {t["system"] for t in steps["tuned"]["result"]["timings"]}
     assert (tmp_path / "gpu_run.png").read_bytes()[:4] == b"\x89PNG"
     log = (tmp_path / "gpu_run.log").read_text()
     assert "NOTE: no CUDA device" in log and "wrote gpu_run.json" in log
-    assert "stopped (deadline of" in log  # the tuner's own output is in the log
+    assert "stopped (deadline of" in log or "interrupted: the records measured so far" in log  # the tuner's

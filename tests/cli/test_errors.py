@@ -186,3 +186,30 @@ def test_cli_reports_errors_in_one_line(tmp_path, capsys):
     bad.write_bytes(b"\x00garbage")
     assert cli_main(["compile", str(bad)]) == 2
     assert "not a valid ONNX model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "--inputs {path}: no such file"),
+    (b"not numpy at all", "--inputs {path}: not an .npz of named arrays"),
+    ("npy", "--inputs {path}: not an .npz of named arrays"),
+])
+def test_cli_bad_inputs_file_is_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "inputs.npz"
+    if content == "npy":
+        with open(path, "wb") as f:
+            np.save(f, np.zeros(3))
+    elif content is not None:
+        path.write_bytes(content)
+    assert cli_main(["run", "bert-tiny-layer", "--inputs", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tvmdm run: error: " + message.format(path=path)), err
+
+
+def test_cli_file_errors_name_the_file(tmp_path, capsys):
+    out = tmp_path / "no" / "such" / "folder" / "m.tvmdm"
+    assert cli_main(["compile", "bert-tiny-layer", "-o", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (f"tvmdm compile: error: cannot write {out}: folder {out.parent} "
+                                               "does not exist")
+    assert cli_main(["run", "bert-tiny-layer", "--output", str(out.parent / "o.npz")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"tvmdm run: error: {out.parent / 'o.npz'}: No such file or directory"

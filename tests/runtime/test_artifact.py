@@ -1,4 +1,5 @@
 """Compiled.export / tvmdm.load: one file, run in a fresh process that cannot import onnx."""
+import io
 import json
 import os
 import subprocess
@@ -103,3 +104,32 @@ def test_deployed_runner_needs_only_tvms_runtime_library(tmp_path, tiny_compiled
     loaded.run(feeds)
     for name, value in tiny_compiled.params().items():
         np.testing.assert_array_equal(loaded.params()[name], value)
+
+
+def test_export_over_a_directory_is_refused_and_leaves_nothing(tmp_path, tiny_compiled):
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(tvmdm.ArtifactError, match=rf"cannot write {tmp_path / 'taken'}: it is a directory"):
+        tiny_compiled.export(tmp_path / "taken")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no .partial left behind
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.pop("inputs"), "no entry 'inputs' in the artifact's manifest.json or arrays"),
+    (lambda m: m["outputs"][0].pop("shape"), "no entry 'shape' in the artifact's manifest.json or arrays"),
+    (lambda m: m.update(index_bounds=[1, 2]), "manifest.json has a malformed entry"),
+])
+def test_a_hand_edited_manifest_is_an_artifact_error_naming_the_entry(tmp_path, tiny_compiled, edit, message):
+    good = tiny_compiled.export(tmp_path / "good.tvmdm")
+    with tarfile.open(good) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    manifest = json.loads(members["manifest.json"])
+    edit(manifest)
+    members["manifest.json"] = json.dumps(manifest).encode()
+    edited = tmp_path / "edited.tvmdm"
+    with tarfile.open(edited, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(tvmdm.ArtifactError, match=rf"{edited}: {message}"):
+        tvmdm.load(edited)

@@ -244,3 +244,73 @@ def test_a_deadline_shorter_than_one_round_still_leaves_records(tmp_path, capsys
     assert summary["stopped"] == "deadline of 3 s" and 1 <= summary["trials_run"] <= 4
     assert sum(1 for _ in open(os.path.join(logs, database.RECORDS))) == summary["trials_run"]
     assert "stopped (deadline of 3 s)" in capsys.readouterr().err
+
+
+def test_a_rerun_on_a_half_written_log_sets_the_whole_file_aside_and_goes_on(smoke_logs, tiny_layer, tmp_path,
+                                                                            capsys):
+    """A kill mid-write leaves half a line: the tuner reads the log as compile does (TVM's own reader failed on
+    it), keeps the damaged file whole as a backup and goes on from the usable records."""
+    from tvm.s_tir import meta_schedule as ms
+
+    logs = tmp_path / "cut"
+    shutil.copytree(smoke_logs[0], logs)
+    records = logs / database.RECORDS
+    damaged = records.read_bytes()[:-40]
+    records.write_bytes(damaged)
+    usable = damaged.count(b"\n")
+    with pytest.warns(database.TuningLogWarning, match=rf"{records}:{usable + 1}: corrupt tuning log line"):
+        again = tune.tune(tiny_layer, logs=str(logs), trials=usable, shapes=SHAPES)
+    assert again["trials_run"] == 0 and again["trials_in_log"] == usable
+    backups = sorted(logs.glob(database.RECORDS + ".*.bak"))
+    assert len(backups) == 1 and backups[0].read_bytes() == damaged  # nothing lost
+    assert f"unusable lines left out of the log (the whole file is kept as {backups[0]})" in capsys.readouterr().err
+    assert len(ms.database.JSONDatabase(work_dir=str(logs), allow_missing=False)) == usable  # TVM reads it whole
+    assert database.repair(str(logs)) == []  # a clean log is left alone
+
+
+def test_repair_drops_a_record_tvm_cannot_read_back(tmp_path):
+    from tvm.s_tir import meta_schedule as ms
+
+    logs = tmp_path / "logs"
+    shutil.copytree(UNREADABLE, logs)
+    with pytest.warns(database.TuningLogWarning, match="TVM cannot read back"):
+        assert len(database.repair(str(logs))) == 2
+    assert len(ms.database.JSONDatabase(work_dir=str(logs), allow_missing=False)) == 1
+
+
+def test_a_second_tuner_on_the_cli_gets_one_line_and_exit_code_2(tmp_path, capsys):
+    from tvmdm.cli.main import main
+
+    logs = str(tmp_path / "shared")
+    with database.locked(logs):
+        code = main(["tune", "bert-tiny-layer", "--logs", logs, "--trials", "1", "--batch", "2", "--seq", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"tvmdm tune: error: {logs} is being tuned by another process")
+
+
+def test_a_meta_json_that_is_not_json_stops_tuning_before_any_work_and_only_warns_compile(tmp_path, tiny_layer):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "meta.json").write_text("{half")
+    with pytest.raises(database.TuningLogError, match=rf"{logs / 'meta.json'}: unreadable"):
+        tune.tune(tiny_layer, logs=str(logs), trials=1, shapes=SHAPES)
+    (logs / database.WORKLOADS).write_text("")
+    with pytest.warns(database.TuningLogWarning, match=rf"{logs / 'meta.json'}: unreadable"):
+        compiled = tvmdm.compile(tiny_layer, shapes=SHAPES, tuning_logs=str(logs))
+    assert compiled.check(tvmdm.random_inputs(compiled, batch=2, seq=8)).ok
+
+
+def test_logs_that_are_a_file_are_refused(tmp_path, tiny_layer):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(database.TuningLogError, match=rf"--logs {tmp_path / 'f'} is a file"):
+        tune.tune(tiny_layer, logs=str(tmp_path / "f"), trials=1, shapes=SHAPES)
+
+
+def test_records_labelled_for_another_target_are_left_out_with_a_warning(smoke_logs, tiny_layer, tmp_path):
+    logs = tmp_path / "cuda"
+    shutil.copytree(smoke_logs[0], logs)
+    meta = json.loads((logs / "meta.json").read_text())
+    (logs / "meta.json").write_text(json.dumps(dict(meta, target_kind="cuda", target=json.dumps({"kind": "cuda"}))))
+    with pytest.warns(database.TuningLogWarning, match=rf"{logs}: tuned for cuda, not llvm: its records are not"):
+        compiled = tvmdm.compile(tiny_layer, shapes=SHAPES, tuning_logs=str(logs))
+    assert compiled.tuned_kernels == []

@@ -45,8 +45,15 @@ def make_options(target="llvm", *, fusion: str = DEFAULT_FUSION, layout: str = D
                  training: bool = False) -> Options:
     """``tuning_logs``: "shipped" (the shipped logs tuned for this target), a directory, a list of them, or None.
     ``symbolic``: the module has symbolic (batch, seq) dims (no record serves it)."""
+    from schedules.logs import logs_for_target
+
     tvm_target = target if isinstance(target, tvm.target.Target) else make_target(target)
     logs = resolve_logs(tuning_logs, tvm_target)
+    if logs is not None and not (isinstance(tuning_logs, str) and tuning_logs == "shipped"):
+        # the user's logs: one labelled for another target is left out (with a warning)
+        given = [logs] if isinstance(logs, (str, os.PathLike)) else list(logs)
+        kept = logs_for_target(given, tvm_target)
+        logs = kept if len(kept) != len(given) or not isinstance(logs, (str, os.PathLike)) else logs
     lanes = packed_lanes(logs, tvm_target, precision, symbolic=symbolic)
     dirs = [logs] if isinstance(logs, (str, os.PathLike)) else list(logs or [])
     return Options(tvm_target, fusion=fusion, layout=layout, precision=precision, training=training,

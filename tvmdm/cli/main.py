@@ -69,8 +69,7 @@ def cmd_run(args) -> int:
     else:
         runner = _compile(args)
     if args.inputs:
-        with np.load(args.inputs) as data:
-            feeds = {k: data[k] for k in data.files}
+        feeds = _load_inputs(args.inputs)
     else:
         feeds = tvmdm.random_inputs(runner, batch=args.batch, seq=args.seq, seed=args.seed)
     t0 = time.perf_counter()
@@ -87,6 +86,23 @@ def cmd_run(args) -> int:
         print(result)
         return 0 if result.ok else 1
     return 0
+
+
+def _load_inputs(path: str) -> dict:
+    """--inputs: an .npz of arrays named as the model's inputs (numpy.savez)."""
+    from tvmdm.core.errors import InputError
+
+    if not os.path.isfile(path):
+        raise InputError(f"--inputs {path}: no such file")
+    try:
+        data = np.load(path, allow_pickle=False)
+        if not hasattr(data, "files"):
+            raise ValueError("one bare array (.npy), not named arrays")
+        with data:
+            return {k: data[k] for k in data.files}
+    except (ValueError, OSError, EOFError) as err:
+        raise InputError(f"--inputs {path}: not an .npz of named arrays (write one with numpy.savez(path, "
+                         f"input_ids=..., ...)): {err}") from None
 
 
 def cmd_tune(args) -> int:
@@ -315,10 +331,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (TvmdmError, KeyError, NotImplementedError, ValueError) as err:
+    except (TvmdmError, KeyError, NotImplementedError, ValueError, OSError) as err:
         if os.environ.get("TVMDM_DEBUG"):
             raise
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        if isinstance(err, OSError) and err.filename:  # a file the command reads or writes: name it
+            message = f"{err.filename}: {err.strerror or err}"
         print(f"tvmdm {args.command}: error: {message}", file=sys.stderr)
         return 2
 

@@ -6,6 +6,7 @@ Layout inside the tar: ``model.so`` (relax executable), ``params.npz`` (weights,
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tvmdm.core.errors import ArtifactError
+from tvmdm.core.errors import ArtifactError, TvmdmError
 
 if TYPE_CHECKING:
     from tvmdm.runtime.runner import ModelRunner
@@ -33,19 +34,49 @@ def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def write_bundle(path, manifest: dict, executable, arrays: dict[str, np.ndarray]) -> str:
     """Write a tar of manifest.json (plus the array names, in order), model.so and params.npz; atomically."""
     path = os.fspath(path)
+    _check_writable(path)
     manifest = dict(manifest, params=list(arrays))
-    with tempfile.TemporaryDirectory() as tmp:
-        lib = os.path.join(tmp, "model.so")
-        executable.export_library(lib)
-        buf = io.BytesIO()
-        np.savez(buf, **{f"p{i}": v for i, v in enumerate(arrays.values())})
-        tmp_out = path + ".partial"
-        with tarfile.open(tmp_out, "w") as tar:
-            _add_bytes(tar, "manifest.json", json.dumps(manifest, indent=1).encode())
-            tar.add(lib, arcname="model.so")
-            _add_bytes(tar, "params.npz", buf.getvalue())
-        os.replace(tmp_out, path)  # never leave a half-written artifact under the real name
+    tmp_out = path + ".partial"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            lib = os.path.join(tmp, "model.so")
+            executable.export_library(lib)
+            buf = io.BytesIO()
+            np.savez(buf, **{f"p{i}": v for i, v in enumerate(arrays.values())})
+            with tarfile.open(tmp_out, "w") as tar:
+                _add_bytes(tar, "manifest.json", json.dumps(manifest, indent=1).encode())
+                tar.add(lib, arcname="model.so")
+                _add_bytes(tar, "params.npz", buf.getvalue())
+            os.replace(tmp_out, path)  # never leave a half-written artifact under the real name
+    except OSError as err:
+        raise ArtifactError(f"cannot write {path}: {err.strerror or err}") from None
+    finally:
+        if os.path.exists(tmp_out):
+            os.remove(tmp_out)
     return path
+
+
+def _check_writable(path: str) -> None:
+    if os.path.isdir(path):
+        raise ArtifactError(f"cannot write {path}: it is a directory; give a file name, e.g. {path}/model.tvmdm")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ArtifactError(f"cannot write {path}: folder {folder} does not exist")
+
+
+@contextlib.contextmanager
+def manifest_entries(path):
+    """Around the reading of a manifest's entries: one missing or malformed (a hand-edited manifest) is an
+    ArtifactError that names it, not a KeyError."""
+    try:
+        yield
+    except TvmdmError:
+        raise
+    except KeyError as err:
+        raise ArtifactError(f"{path}: no entry {err.args[0]!r} in the artifact's manifest.json or arrays "
+                            "(hand-edited or damaged); export the model again") from None
+    except (TypeError, ValueError, AttributeError, IndexError) as err:
+        raise ArtifactError(f"{path}: manifest.json has a malformed entry ({err}); export the model again") from None
 
 
 def read_bundle(path, fmt: str = FORMAT, version: int = VERSION):
@@ -62,6 +93,8 @@ def read_bundle(path, fmt: str = FORMAT, version: int = VERSION):
             lib_bytes = tar.extractfile("model.so").read()
     except (tarfile.TarError, KeyError, ValueError, OSError, AttributeError) as err:
         raise ArtifactError(f"{path}: not a tvmdm artifact or damaged: {err}") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: manifest.json is not a JSON object (hand-edited or damaged)")
     if manifest.get("format") != fmt or manifest.get("version") != version:
         raise ArtifactError(f"{path}: unsupported artifact format {manifest.get('format')!r} "
                             f"version {manifest.get('version')!r} (expected {fmt} v{version})")
@@ -73,7 +106,7 @@ def read_bundle(path, fmt: str = FORMAT, version: int = VERSION):
         try:
             lib = runtime.load_module(lib_path)
         except RuntimeError as err:
-            raise ArtifactError(f"{path}: compiled for {manifest['target_kind']}, but this TVM runtime cannot load "
+            raise ArtifactError(f"{path}: compiled for {manifest.get('target_kind', '?')}, but this TVM runtime cannot load "
                                 f"it here ({str(err).strip().splitlines()[-1]})") from None
     return manifest, lib, arrays
 
@@ -108,8 +141,9 @@ def load(path) -> "ModelRunner":
     from tvmdm.core.spec import TensorSpec
 
     manifest, lib, params = read_bundle(path)
-    return ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
-                       outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]], params=params,
-                       target_kind=manifest["target_kind"],
-                       index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
-                       reload_params=lambda: read_params(path))
+    with manifest_entries(path):
+        return ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
+                           outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]], params=params,
+                           target_kind=manifest["target_kind"],
+                           index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
+                           reload_params=lambda: read_params(path))

@@ -216,22 +216,23 @@ class TrainStep(ModelRunner):
 
 def load_train_step(path: "str | os.PathLike") -> TrainStep:
     """Load a step written by ``TrainStep.export``: training resumes where it stopped (no onnx needed)."""
-    from tvmdm.runtime.artifact import read_bundle
+    from tvmdm.runtime.artifact import manifest_entries, read_bundle
 
     manifest, lib, state = read_bundle(path, FORMAT, VERSION)
-    opt = manifest["optimizer"]
-    names = [k.split("/", 1)[1] for k in state if k.startswith("weights/")]
-    ts = TrainStep(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
-                   outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]],
-                   params={n: state[f"weights/{n}"] for n in names}, target_kind=manifest["target_kind"],
-                   index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
-                   target_spec=TensorSpec.from_json(manifest["target"]),
-                   optimizer=AdamW(opt["lr"], tuple(opt["betas"]), opt["eps"], opt["weight_decay"]),
-                   loss_name=manifest["loss"],
-                   moments={k: {n: state[f"adam_{k}/{n}"] for n in names} for k in "mv"},
-                   step_count=int(state["step"]), dropout=DropoutConfig.from_json(manifest["dropout"]),
-                   loss_scaler=LossScaler(**manifest["loss_scaler"]) if manifest.get("loss_scaler") else None)
-    ts.lr, ts.memory, ts.checkpoint = manifest["lr"], manifest["memory"], manifest["checkpoint"]
+    with manifest_entries(path):
+        opt = manifest["optimizer"]
+        names = [k.split("/", 1)[1] for k in state if k.startswith("weights/")]
+        ts = TrainStep(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
+                       outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]],
+                       params={n: state[f"weights/{n}"] for n in names}, target_kind=manifest["target_kind"],
+                       index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
+                       target_spec=TensorSpec.from_json(manifest["target"]),
+                       optimizer=AdamW(opt["lr"], tuple(opt["betas"]), opt["eps"], opt["weight_decay"]),
+                       loss_name=manifest["loss"],
+                       moments={k: {n: state[f"adam_{k}/{n}"] for n in names} for k in "mv"},
+                       step_count=int(state["step"]), dropout=DropoutConfig.from_json(manifest["dropout"]),
+                       loss_scaler=LossScaler(**manifest["loss_scaler"]) if manifest.get("loss_scaler") else None)
+        ts.lr, ts.memory, ts.checkpoint = manifest["lr"], manifest["memory"], manifest["checkpoint"]
     return ts
 
 

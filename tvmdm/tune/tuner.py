@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from schedules.database import RECORDS, WORKLOADS, locked
+from schedules.database import RECORDS, WORKLOADS, TuningLogError, load_database, locked, repair
 from schedules.scheduler import STOPPED
 from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT
 
@@ -67,13 +67,21 @@ def extract_tasks(model, target, shapes=None, fusion=DEFAULT_FUSION, train: bool
     return tasks, tvm_target
 
 
+def check_logs_dir(logs: str) -> None:
+    """Before any work: ``logs`` is a directory (or can be made one) and its meta.json, if any, is readable
+    (written again at the end of the run, it would fail only then)."""
+    from schedules.logs import read_meta
+
+    if os.path.exists(logs) and not os.path.isdir(logs):
+        raise TuningLogError(f"--logs {logs} is a file; give the directory that holds (or will hold) the log")
+    read_meta(logs)
+
+
 def existing_trials(logs_dir: str, tasks) -> list[int]:
     """Records already in the log for each task (0 where the log lacks it)."""
-    from tvm.s_tir import meta_schedule as ms
-
     if not os.path.isfile(os.path.join(logs_dir, WORKLOADS)):
         return [0] * len(tasks)
-    db = ms.database.JSONDatabase(work_dir=logs_dir)
+    db = load_database(logs_dir)  # the reader compile uses: unusable lines skipped, each named in a warning
     counts = []
     for task in tasks:
         mod = task.dispatched[0]
@@ -175,6 +183,7 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
     from tvmdm.core.target import num_cores
 
     stream = stream or sys.stderr
+    check_logs_dir(logs)
     deadline = None if seconds is None else time.perf_counter() + seconds
 
     def stopped() -> str | None:
@@ -194,6 +203,8 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
         raise ValueError(f"no tuning task left (--only {only})")
     names = [t.task_name for t in tasks]
     with locked(logs):
+        for backup in repair(logs):
+            stream.write(f"unusable lines left out of the log (the whole file is kept as {backup})\n")
         have = existing_trials(logs, [t for t in tasks])
         remaining = trials - sum(have)
         stream.write(f"{len(tasks)} tasks; {sum(have)} trials already in {logs}; running {max(remaining, 0)}\n")
@@ -284,10 +295,10 @@ def _write_meta(logs, model, target, shapes, fusion, seconds: float, graph: str,
     import json
     import platform
 
-    from schedules.logs import META
+    from schedules.logs import META, read_meta
 
     path = os.path.join(logs, META)
-    previous = json.load(open(path)) if os.path.isfile(path) else {}
+    previous = read_meta(logs) or {}
     meta = {
         "model": model if isinstance(model, str) else getattr(getattr(model, "graph", None), "name", "model"),
         "target_kind": target.kind.name,
