@@ -27,6 +27,7 @@ def check_model(proto: onnx.ModelProto, label: str, path: str | None = None) -> 
     """Raise ModelLoadError naming what onnxruntime would refuse in ``proto`` (its data already loaded)."""
     check_opset(proto, label)
     check_initializer_sizes(proto, label)
+    check_attributes(proto, label)
     large = proto.ByteSize() > _PROTO_LIMIT
     if large and path is None:
         return  # too large to hand to the checker in memory, and no file to check instead
@@ -46,6 +47,21 @@ def check_model(proto: onnx.ModelProto, label: str, path: str | None = None) -> 
 def _io_without_shape(proto: onnx.ModelProto) -> bool:
     return any(v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")
                for v in list(proto.graph.input) + list(proto.graph.output))
+
+
+# Attribute values onnxruntime refuses at session creation that TVM's converters take without a word.
+_NORMALIZATIONS = ("LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization")
+ATTRIBUTE_RULES = {(op, "epsilon"): (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+                   for op in _NORMALIZATIONS}
+
+
+def check_attributes(proto: onnx.ModelProto, label: str) -> None:
+    for node in proto.graph.node:
+        for attr in node.attribute:
+            rule = ATTRIBUTE_RULES.get((node.op_type, attr.name))
+            if rule and not rule[0](helper.get_attribute_value(attr)):
+                raise ModelLoadError(f"{label}: node {node.name or node.op_type!r} ({node.op_type}): attribute "
+                                     f"{attr.name} = {helper.get_attribute_value(attr)} must be {rule[1]}")
 
 
 def check_opset(proto: onnx.ModelProto, label: str) -> None:

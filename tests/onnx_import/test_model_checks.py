@@ -18,8 +18,10 @@ def _model(nodes, initializers=(), opset=17, output_shape=(2, 4), outputs=("y",)
 
 
 def _ort_refuses(model):
+    """onnxruntime refuses the model, when the session is made or when it runs."""
     with pytest.raises(Exception):
-        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        session.run(None, {"x": np.zeros((2, 4), np.float32)})
 
 
 def test_two_nodes_writing_one_tensor_are_refused_naming_both():
@@ -89,3 +91,18 @@ def test_outputs_of_unknown_rank_still_compile_as_onnxruntime_runs_them():
     x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
     expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_allclose(tvmdm.compile(model).run({"x": x})[0], expected[0])
+
+
+@pytest.mark.parametrize("epsilon", [-1.0, float("nan")])
+def test_an_attribute_onnxruntime_refuses_is_refused_by_node(epsilon):
+    # onnxruntime fuses the layer's Add + LayerNormalization into SkipLayerNorm, which refuses the epsilon
+    from tests.helpers.fuzz import feeds
+
+    model = tvmdm.default_model("bert-tiny-layer")
+    node = next(n for n in model.graph.node if n.op_type == "LayerNormalization")
+    next(a for a in node.attribute if a.name == "epsilon").f = epsilon
+    with pytest.raises(Exception, match="epsilon"):
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds())
+    with pytest.raises(tvmdm.ModelLoadError, match=rf"node '{node.name}' \(LayerNormalization\): attribute "
+                                                   r"epsilon = .* must be a finite number >= 0"):
+        tvmdm.compile(model)

@@ -1,5 +1,4 @@
 """Compiled.export / tvmdm.load: one file, run in a fresh process that cannot import onnx."""
-import io
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 import tvmdm
+from tests.helpers.artifacts import edited_copy
 
 # The child process blocks onnx and onnxruntime imports, as on a deployment machine without them.
 LOAD_AND_RUN = textwrap.dedent("""
@@ -51,7 +51,7 @@ def test_artifact_is_one_file_with_manifest(tmp_path, tiny_compiled):
     path = tiny_compiled.export(tmp_path / "tiny.tvmdm")
     assert os.listdir(tmp_path) == ["tiny.tvmdm"]
     with tarfile.open(path) as tar:
-        assert sorted(tar.getnames()) == ["manifest.json", "model.so", "params.npz"]
+        assert sorted(tar.getnames()) == ["checksums.json", "manifest.json", "model.so", "params.npz"]
         manifest = json.loads(tar.extractfile("manifest.json").read())
     assert manifest["inputs"] == [{"name": "hidden_states", "shape": ["batch", "seq", 32], "dtype": "float32"},
                                   {"name": "attention_mask", "shape": ["batch", "seq"], "dtype": "int64"}]
@@ -120,16 +120,18 @@ def test_export_over_a_directory_is_refused_and_leaves_nothing(tmp_path, tiny_co
 ])
 def test_a_hand_edited_manifest_is_an_artifact_error_naming_the_entry(tmp_path, tiny_compiled, edit, message):
     good = tiny_compiled.export(tmp_path / "good.tvmdm")
-    with tarfile.open(good) as tar:
-        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
-    manifest = json.loads(members["manifest.json"])
-    edit(manifest)
-    members["manifest.json"] = json.dumps(manifest).encode()
-    edited = tmp_path / "edited.tvmdm"
-    with tarfile.open(edited, "w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    edited = edited_copy(good, tmp_path / "edited.tvmdm", edit)
     with pytest.raises(tvmdm.ArtifactError, match=rf"{edited}: {message}"):
         tvmdm.load(edited)
+
+
+def test_a_member_changed_after_export_is_refused_before_it_is_used(tmp_path, tiny_compiled):
+    good = tiny_compiled.export(tmp_path / "good.tvmdm")
+    data = bytearray(open(good, "rb").read())
+    with tarfile.open(good) as tar:
+        lib = tar.getmember("model.so")
+    data[lib.offset_data + lib.size // 2] ^= 0x40  # one bit of the compiled code
+    flipped = tmp_path / "flipped.tvmdm"
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(tvmdm.ArtifactError, match=rf"{flipped}: model.so does not match its checksum"):
+        tvmdm.load(flipped)

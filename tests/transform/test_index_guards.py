@@ -1,15 +1,12 @@
 """transform.index_guards: no gather reads outside its table; an index outside it is an InputError raised by the
 compiled module itself (so an artifact whose manifest lost its index bounds still refuses, never segfaults)."""
-import io
-import json
-import tarfile
-
 import numpy as np
 import pytest
 from tvm.script import ir as I
 from tvm.script import relax as R
 
 import tvmdm
+from tests.helpers.artifacts import edited_copy
 from tvmdm.transform.index_guards import guard_gathers
 
 
@@ -87,17 +84,8 @@ def test_a_static_compile_past_the_position_table_is_refused_at_run(small):
 def test_an_artifact_whose_manifest_lost_its_bounds_still_refuses(small, tmp_path):
     _, compiled, _ = small
     path = compiled.export(tmp_path / "m.tvmdm")
-    with tarfile.open(path) as tar:
-        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
-    manifest = json.loads(members["manifest.json"])
-    manifest["index_bounds"] = {}  # tampered: the runner's own check of input_ids is off
-    members["manifest.json"] = json.dumps(manifest).encode()
-    tampered = tmp_path / "tampered.tvmdm"
-    with tarfile.open(tampered, "w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    # tampered, checksums and all: the runner's own check of input_ids is off
+    tampered = edited_copy(path, tmp_path / "tampered.tvmdm", lambda manifest: manifest.update(index_bounds={}))
     runner = tvmdm.load(str(tampered))
     assert runner.index_bounds == {}
     feeds = tvmdm.random_inputs(runner, batch=1, seq=4)

@@ -2,11 +2,13 @@
 
 ``load`` needs only TVM's runtime and numpy: no onnx, no onnxruntime.
 Layout inside the tar: ``model.so`` (relax executable), ``params.npz`` (weights, names in manifest order),
-``manifest.json`` (format version, target kind, inputs/outputs with shapes and dtypes, index bounds).
+``manifest.json`` (format version, target kind, inputs/outputs with shapes and dtypes, index bounds),
+``checksums.json`` (sha256 of the other three, checked before any is used).
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -25,35 +27,66 @@ FORMAT = "tvmdm-artifact"
 VERSION = 1
 
 
-def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
+MEMBERS = ("manifest.json", "model.so", "params.npz")
+CHECKSUMS = "checksums.json"  # sha256 of each member: a damaged file is refused before anything in it is used
 
 
-def write_bundle(path, manifest: dict, executable, arrays: dict[str, np.ndarray]) -> str:
-    """Write a tar of manifest.json (plus the array names, in order), model.so and params.npz; atomically."""
+def _sha256(stream) -> str:
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: stream.read(1 << 20), b""):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_members(path, members: dict[str, bytes]) -> str:
+    """Write ``members`` (name -> bytes) and their checksums as the tar ``path``, atomically: the real name
+    appears only once the file is complete, and a failed write leaves nothing behind."""
     path = os.fspath(path)
     _check_writable(path)
-    manifest = dict(manifest, params=list(arrays))
+    sums = {name: hashlib.sha256(data).hexdigest() for name, data in members.items()}
     tmp_out = path + ".partial"
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            lib = os.path.join(tmp, "model.so")
-            executable.export_library(lib)
-            buf = io.BytesIO()
-            np.savez(buf, **{f"p{i}": v for i, v in enumerate(arrays.values())})
-            with tarfile.open(tmp_out, "w") as tar:
-                _add_bytes(tar, "manifest.json", json.dumps(manifest, indent=1).encode())
-                tar.add(lib, arcname="model.so")
-                _add_bytes(tar, "params.npz", buf.getvalue())
-            os.replace(tmp_out, path)  # never leave a half-written artifact under the real name
+        with tarfile.open(tmp_out, "w") as tar:
+            for name, data in list(members.items()) + [(CHECKSUMS, json.dumps(sums, indent=1).encode())]:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp_out, path)
     except OSError as err:
         raise ArtifactError(f"cannot write {path}: {err.strerror or err}") from None
     finally:
         if os.path.exists(tmp_out):
             os.remove(tmp_out)
     return path
+
+
+def write_bundle(path, manifest: dict, executable, arrays: dict[str, np.ndarray]) -> str:
+    """Write a tar of manifest.json (plus the array names, in order), model.so and params.npz; atomically."""
+    _check_writable(os.fspath(path))
+    manifest = dict(manifest, params=list(arrays))
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = os.path.join(tmp, "model.so")
+        executable.export_library(lib)
+        with open(lib, "rb") as f:
+            lib_bytes = f.read()
+    buf = io.BytesIO()
+    np.savez(buf, **{f"p{i}": v for i, v in enumerate(arrays.values())})
+    return write_members(path, {"manifest.json": json.dumps(manifest, indent=1).encode(), "model.so": lib_bytes,
+                                "params.npz": buf.getvalue()})
+
+
+def _verify(tar: tarfile.TarFile, path: str) -> None:
+    """Every member matches the checksum written with it (a flipped bit in model.so could crash the process
+    that loads it; one in the manifest could change a shape)."""
+    try:
+        sums = json.loads(tar.extractfile(CHECKSUMS).read())
+    except KeyError:
+        raise ArtifactError(f"{path}: no {CHECKSUMS} (damaged, or written by a tvmdm before checksums); export "
+                            "the model again") from None
+    for name in MEMBERS:
+        if not isinstance(sums, dict) or _sha256(tar.extractfile(name)) != sums.get(name):
+            raise ArtifactError(f"{path}: {name} does not match its checksum (damaged or changed after export); "
+                                "export the model again")
 
 
 def _check_writable(path: str) -> None:
@@ -88,10 +121,13 @@ def read_bundle(path, fmt: str = FORMAT, version: int = VERSION):
         raise ArtifactError(f"artifact not found: {path}")
     try:
         with tarfile.open(path, "r") as tar:
+            _verify(tar, path)
             manifest = json.loads(tar.extractfile("manifest.json").read())
             arrays = _read_params(tar, manifest)
             lib_bytes = tar.extractfile("model.so").read()
-    except (tarfile.TarError, KeyError, ValueError, OSError, AttributeError) as err:
+    except ArtifactError:
+        raise
+    except (tarfile.TarError, KeyError, ValueError, OSError, AttributeError, EOFError) as err:
         raise ArtifactError(f"{path}: not a tvmdm artifact or damaged: {err}") from None
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{path}: manifest.json is not a JSON object (hand-edited or damaged)")
@@ -119,7 +155,9 @@ def _read_params(tar, manifest) -> dict:
 
 def read_params(path) -> dict:
     """The weights of a bundle by name, read again from its file."""
-    with tarfile.open(os.fspath(path), "r") as tar:
+    path = os.fspath(path)
+    with tarfile.open(path, "r") as tar:
+        _verify(tar, path)
         return _read_params(tar, json.loads(tar.extractfile("manifest.json").read()))
 
 
