@@ -171,20 +171,20 @@ def repair(logs_dir: str) -> list[str]:
     if not os.path.isfile(files[0]):
         return []
     with tempfile.TemporaryDirectory() as tmp:
-        _, kept = _readable(logs_dir, tmp)
+        database, kept = _readable(logs_dir, tmp)
         if kept is not None:
             with open(os.path.join(tmp, RECORDS), "w") as f:
                 f.writelines(kept)
         cleaned = [os.path.join(tmp, name) for name in (WORKLOADS, RECORDS)]
-        if all(_same_lines(a, b) for a, b in zip(files, cleaned)):
-            return []
-        stamp = time.strftime("%Y%m%d-%H%M%S")
         backups = []
-        for original, clean in zip(files, cleaned):
-            if os.path.isfile(original):
-                backups.append(f"{original}.{stamp}.bak")
-                os.replace(original, backups[-1])
-            shutil.copyfile(clean, original)
+        if not all(_same_lines(a, b) for a, b in zip(files, cleaned)):
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for original, clean in zip(files, cleaned):
+                if os.path.isfile(original):
+                    backups.append(f"{original}.{stamp}.bak")
+                    os.replace(original, backups[-1])
+                shutil.copyfile(clean, original)
+    _LOADED[_file_stamp(logs_dir)] = database  # what the log now holds: load_database need not read it again
     return backups
 
 

@@ -51,8 +51,10 @@ def tuned_on_this_cpu(logs_dir, target: tvm.target.Target) -> bool:
     meta.json (one a user tuned and passed) is taken to be tuned here."""
     meta = meta_or_warn(logs_dir) if target.kind.name == "llvm" else None
     tuned = _tuned_target(meta, logs_dir)
-    if tuned is None:
-        return True
+    return tuned is None or _same_cpu(tuned, target)
+
+
+def _same_cpu(tuned: tvm.target.Target, target: tvm.target.Target) -> bool:
     return str(tuned.attrs.get("mcpu", "")) == str(target.attrs.get("mcpu", "")) and not (
         vector_bits(tuned) > vector_bits(target))
 
@@ -114,7 +116,7 @@ def logs_for_target(dirs: list, target: tvm.target.Target) -> list:
                           "applied", TuningLogWarning, stacklevel=4)
             continue
         tuned = _tuned_target(meta, logs_dir) if target.kind.name == "llvm" else None
-        if tuned is not None and not tuned_on_this_cpu(logs_dir, target):
+        if tuned is not None and not _same_cpu(tuned, target):
             warnings.warn(f"{os.fspath(logs_dir)}: tuned for {tuned.attrs.get('mcpu', 'another CPU')}, compiling "
                           f"for {target.attrs.get('mcpu', 'this CPU')}: its records apply only where no "
                           "hand-written schedule does", TuningLogWarning, stacklevel=4)

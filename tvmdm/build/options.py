@@ -50,10 +50,12 @@ def make_options(target="llvm", *, fusion: str = DEFAULT_FUSION, layout: str = D
     tvm_target = target if isinstance(target, tvm.target.Target) else make_target(target)
     logs = resolve_logs(tuning_logs, tvm_target)
     if logs is not None and not (isinstance(tuning_logs, str) and tuning_logs == "shipped"):
-        # the user's logs: one labelled for another target is left out (with a warning)
-        given = [logs] if isinstance(logs, (str, os.PathLike)) else list(logs)
-        kept = logs_for_target(given, tvm_target)
-        logs = kept if len(kept) != len(given) or not isinstance(logs, (str, os.PathLike)) else logs
+        # the user's logs: one labelled for another target is left out (with a warning); a single directory
+        # that stays keeps its form (packed_lanes reads a list as logs to weigh, a directory as the user's own)
+        single = isinstance(logs, (str, os.PathLike))
+        kept = logs_for_target([logs] if single else list(logs), tvm_target)
+        if not (single and kept):
+            logs = kept
     lanes = packed_lanes(logs, tvm_target, precision, symbolic=symbolic)
     dirs = [logs] if isinstance(logs, (str, os.PathLike)) else list(logs or [])
     return Options(tvm_target, fusion=fusion, layout=layout, precision=precision, training=training,

@@ -62,7 +62,7 @@ def write_members(path, members: dict[str, bytes]) -> str:
 
 def write_bundle(path, manifest: dict, executable, arrays: dict[str, np.ndarray]) -> str:
     """Write a tar of manifest.json (plus the array names, in order), model.so and params.npz; atomically."""
-    _check_writable(os.fspath(path))
+    _check_writable(os.fspath(path))  # before the library is built, not only once it is (write_members)
     manifest = dict(manifest, params=list(arrays))
     with tempfile.TemporaryDirectory() as tmp:
         lib = os.path.join(tmp, "model.so")
