@@ -96,11 +96,33 @@ def test_an_artifact_whose_manifest_lost_its_bounds_still_refuses(small, tmp_pat
     np.testing.assert_allclose(runner.run(feeds)[0], compiled.run(feeds)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_cuda_modules_keep_the_frontend_gathers(small):
-    """No assert_op on CUDA (its condition would live on the device): the runner's input check holds there."""
-    model, _, _ = small
+def test_cuda_modules_clip_their_gathers_and_assert(small):
+    """On CUDA the guard's reductions run on the device and assert_op reads one boolean back; every gather kernel
+    clamps its index into the table (the frontend's fast mode read past it)."""
+    import re
+
+    from tests.helpers.cuda import cuda_source
+
+    model, _, rows = small
     compiled = tvmdm.compile(model, target="cuda:sm_90")
-    assert "assert" not in compiled.mod["main"].script()
+    assert compiled.mod["main"].script().count("relax.run.assert_op") == 3  # word, token type, position
+    source = cuda_source(compiled)
+    clamps = set(re.findall(r"min\(max\(\(int64_t\)0, \w+_ptr\[.*?\]\), \(int64_t\)(\d+)\)", source))
+    assert {"999", "1", str(rows - 1)} <= clamps, clamps
+
+
+def test_a_training_graph_clips_its_indices_before_the_gradient():
+    """No assert in a graph the gradient pass must differentiate: the indices themselves are clipped, so the
+    forward gather and the gradient's scatter both stay inside the table."""
+    text = guard_gathers(check=False)(Embedding)["main"].script()
+    assert "R.clip(ids, 0, 4)" in text and "assert" not in text
+
+
+def test_a_training_step_longer_than_the_position_table_is_refused_at_compile(small):
+    model, _, rows = small
+    with pytest.raises(tvmdm.ShapeError, match=rf"position {rows + 3} is outside the model's position table of "
+                                               rf"{rows} rows: sequences may be at most {rows} tokens long"):
+        tvmdm.compile_train_step(model, batch=1, seq=rows + 4)
 
 
 DEPLOYED = """

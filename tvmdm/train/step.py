@@ -22,9 +22,10 @@ from tvm import relax
 
 from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT
 from tvmdm.transform.graph_rewrites import paper_graph_rewrites
+from tvmdm.transform.index_guards import guard_gathers, too_long_for_positions
 from tvmdm.train import graph as train_graph
 from tvmdm.train.dropout import DropoutConfig, strip_exported_dropout
-from tvmdm.core.errors import InputError, TvmdmError
+from tvmdm.core.errors import InputError, ShapeError, TvmdmError
 from tvmdm.runtime.runner import ModelRunner
 from tvmdm.core.spec import TensorSpec
 from tvmdm.core.precision import check_precision
@@ -291,7 +292,10 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
         raise InputError(f"{source}: training needs static shapes, but input {s.name!r} has shape "
                          f"[{', '.join(map(str, s.shape))}]: pass batch= and seq=, or shapes={{{s.name!r}: [...]}}")
     mod, trainable = _split_trainable(imported)
-    mod = strip_exported_dropout()(mod)
+    too_long = too_long_for_positions(mod)
+    if too_long:
+        raise ShapeError(f"{source}: {too_long}")
+    mod = guard_gathers(check=False)(strip_exported_dropout()(mod))
     if not trainable:
         raise TvmdmError(f"{source}: the model has no float initializers to train")
     mod, trainable, tied = train_graph.tie_transposed_copies(mod, len(imported.inputs), trainable)

@@ -97,9 +97,9 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     merged QKV), weight-only work lifted to main_transform_params (inference only: a training step changes its
     weights every step), then the paper's pattern fusion."""
     paper = options.fusion == "paper"
-    # CPU inference: gathers clipped into their tables and checked (a training step's gathers keep their mode:
-    # its inputs are checked by the runner; CUDA: see index_guards)
-    passes = [guard_gathers()] if options.on_cpu and not options.training else []
+    # inference: gathers clipped into their tables and checked in the module (a training graph clips its indices
+    # before its gradient: tvmdm.train.step)
+    passes = [guard_gathers()] if not options.training else []
     passes += [paper_graph_rewrites(options.layout)] if paper else []
     passes += list(training.before_precision)
     passes += precision_passes(options.precision, training=options.training, target_kind=options.target_kind,
