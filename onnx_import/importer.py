@@ -79,6 +79,32 @@ def _check_bound_shapes(specs: list[TensorSpec], shapes: dict, source: str) -> N
                                      f"{got} by input {spec.name!r}")
 
 
+def _complete_shapes(specs: list[TensorSpec], shapes: dict) -> dict:
+    """``shapes`` plus every input whose symbolic dims the given shapes all bind by name: binding input_ids to
+    [8, 128] binds (batch, sequence) and so attention_mask and token_type_ids, as onnxruntime sees one size per
+    dim name."""
+    sizes = {}
+    for spec in specs:
+        if spec.name in shapes:
+            sizes.update({d: int(v) for d, v in zip(spec.shape, shapes[spec.name]) if isinstance(d, str) and d != "?"})
+    completed = dict(shapes)
+    for spec in specs:
+        named = [d for d in spec.shape if isinstance(d, str)]
+        if spec.name not in completed and named and all(d in sizes for d in named):
+            completed[spec.name] = [sizes[d] if isinstance(d, str) else d for d in spec.shape]
+    return completed
+
+
+def _still_symbolic(specs: list[TensorSpec], shapes: dict) -> str:
+    """What a partial binding left out, for an import that failed on it ("" when all or nothing is bound)."""
+    left = [s for s in specs if s.name not in shapes and any(isinstance(d, str) for d in s.shape)]
+    if not shapes or not left:
+        return ""
+    named = ", ".join(f"{s.name!r} {list(s.shape)}" for s in left)
+    return (f"; inputs {named} keep symbolic dims that no bound input shares: give their shapes too, or bind "
+            f"(batch, seq) for every input (batch=/seq=, --batch/--seq)")
+
+
 def _shared_initializers(proto: onnx.ModelProto) -> dict[str, list[str]]:
     weights = {t.name for t in proto.graph.initializer
                if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
@@ -140,6 +166,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto", shapes: dict | Non
     onnx_inputs = onnx_input_specs(proto)
     shapes = dict(shapes or {})
     _check_bound_shapes(onnx_inputs, shapes, source)
+    shapes = _complete_shapes(onnx_inputs, shapes)
     _check_supported_ops(proto, source)
     tvm_proto = frontend_fixes.constants_as_nodes(proto)
     # TVM prints a line before re-raising converter errors and warns about dynamic dims: we report both ourselves.
@@ -150,6 +177,9 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto", shapes: dict | Non
                                                 dtype_dict={s.name: s.dtype for s in onnx_inputs},
                                                 keep_params_in_input=True)
         except frontend_fixes.ConverterError as err:
+            partial = _still_symbolic(onnx_inputs, shapes)
+            if partial:
+                raise ShapeError(f"{source}: {err}{partial}") from None
             raise UnsupportedOperatorError(f"{source}: {err}") from None
     mod, detached = relax.frontend.detach_params(mod)
     main = mod["main"]

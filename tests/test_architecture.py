@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = [
-    ("tvmdm.core",),
+    ("tvmdm.core", "tuning_logs"),
     ("tvmdm.models", "tvmdm.runtime"),
     ("onnx_import",),
     ("tvmdm.transform",),
@@ -24,7 +24,7 @@ STAGES = [
 ]
 API_USERS = ("tvmdm.bench", "tvmdm.cli")
 RANK = {stage: rank for rank, row in enumerate(STAGES) for stage in row}
-PACKAGES = ("tvmdm", "schedules", "onnx_import")
+PACKAGES = ("tvmdm", "schedules", "onnx_import", "tuning_logs")
 MAX_LINES = 420
 
 

@@ -30,6 +30,7 @@ _LAZY = {
     "tvmdm.build.compiled": ("Compiled", "compile"),
     "tvmdm.build.check": ("CheckResult",),
     "tvmdm.core.options": ("Options",),
+    "tvmdm.core.extras": ("MissingExtraError",),
     "tvmdm.train.distributed": ("DataParallel",),
     "tvmdm.train.step": ("TrainStep", "compile_train_step", "load_train_step"),
     "tvmdm.train.graph": ("AdamW", "LossScaler"),
@@ -37,12 +38,12 @@ _LAZY = {
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # pyproject.toml reads it from here
 
 __all__ = [
     "compile", "load", "analyze", "Options", "compile_train_step", "load_train_step", "TrainStep", "AdamW", "LossScaler", "DataParallel", "Report", "Compiled", "CheckResult", "TensorSpec",
     "TvmdmError", "ModelLoadError", "UnsupportedOperatorError", "ShapeError", "TargetError", "InputError", "ArtifactError",
-    "default_model", "default_dims", "random_inputs", "DEFAULT_MODELS",
+    "MissingExtraError", "default_model", "default_dims", "random_inputs", "DEFAULT_MODELS",
 ]
 
 

@@ -52,3 +52,15 @@ def test_compile_reports_shared_initializers(tmp_path, capsys):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
     assert main(["compile", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.tvmdm")]) == 0
     assert "1 initializer(s) read by several nodes" in capsys.readouterr().out
+
+
+def test_version_and_one_meaning_of_batch_and_seq(tmp_path, capsys, tiny_layer):
+    proc = subprocess.run([sys.executable, "-m", "tvmdm", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("tvmdm 0.") and "apache-tvm 0.27" in proc.stdout
+    model = tmp_path / "layer.onnx"
+    onnx.save(tiny_layer, str(model))
+    out = tmp_path / "layer.tvmdm"
+    assert main(["compile", str(model), "--batch", "3", "--seq", "5", "-o", str(out)]) == 0  # bound, as in tune
+    assert "input hidden_states: float32[3, 5, 32]" in capsys.readouterr().out
+    assert main(["run", str(out)]) == 0  # synthetic inputs of the size it was compiled for
+    assert "output: float32[3, 5, 32]" in capsys.readouterr().out

@@ -44,6 +44,28 @@ def test_binding_shapes_makes_them_static(hf_export):
         compiled.run(hf_exports.sample_inputs("bert", batch=2, seq=5))
 
 
+@pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
+def test_binding_one_input_binds_the_dims_it_shares(hf_export, dynamo):
+    """The README's shapes={"input_ids": [8, 128]}: attention_mask and token_type_ids share (batch, seq) by name."""
+    compiled = tvmdm.compile(hf_export("bert", dynamo=dynamo, dynamic=True, opset=17 + dynamo),
+                             shapes={"input_ids": [2, 8]})
+    assert [s.shape for s in compiled.inputs] == [(2, 8)] * 3
+    assert compiled.check(hf_exports.sample_inputs("bert")).ok
+
+
+def test_a_partial_binding_names_the_inputs_left_symbolic():
+    """Dims with no name to share ("?") cannot follow a bound input: the error says which inputs need shapes."""
+    model = tvmdm.default_model("bert-small")
+    for value in model.graph.input:
+        if value.name != "input_ids":
+            for dim in value.type.tensor_type.shape.dim:
+                dim.ClearField("dim_param")
+    with pytest.raises(tvmdm.ShapeError, match=r"inputs 'attention_mask' \['\?', '\?'\], 'token_type_ids' "
+                                               r"\['\?', '\?'\] keep symbolic dims that no bound input shares: "
+                                               r"give their shapes too"):
+        tvmdm.compile(model, shapes={"input_ids": [2, 8]})
+
+
 def test_albert_shared_layers_are_reported(hf_export):
     # ALBERT shares one layer's weights across layers: every such weight is read by more than one node.
     compiled = tvmdm.compile(hf_export("albert", dynamo=False, dynamic=True, opset=17))

@@ -38,6 +38,22 @@ def test_smoke_tuning_writes_a_log(smoke_logs):
     assert meta["model"] == "bert-tiny-layer" and meta["tuning_seconds"] > 0
 
 
+def test_every_command_that_compiles_takes_the_logs_tune_wrote(smoke_logs, tiny_layer, tmp_path, capsys):
+    """`tvmdm tune --logs DIR` writes what `--logs DIR` applies; --batch/--seq bind the tuned size."""
+    import onnx
+
+    from tvmdm.cli.main import main
+
+    logs, _ = smoke_logs
+    model = str(tmp_path / "layer.onnx")
+    onnx.save(tiny_layer, model)
+    applied = len(tvmdm.compile(tiny_layer, shapes=SHAPES, tuning_logs=logs).tuned_kernels)
+    assert applied >= 1
+    for extra, count in ((["--logs", logs], applied), (["--logs", "none"], 0)):
+        assert main(["compile", model, "--batch", "2", "--seq", "8", "-o", str(tmp_path / "m.tvmdm"), *extra]) == 0
+        assert f"kernels: {count} from tuning logs" in capsys.readouterr().out
+
+
 def test_rerun_resumes_instead_of_starting_over(smoke_logs, tiny_layer, capsys):
     logs, summary = smoke_logs
     again = tune.tune(tiny_layer, logs=logs, trials=4, shapes=SHAPES)
@@ -98,7 +114,18 @@ def test_record_tvm_cannot_read_back_is_skipped_not_the_whole_log(tmp_path):
 
 def test_missing_log_directory_warns(tiny_layer, tmp_path):
     with pytest.warns(database.TuningLogWarning, match=r"no tuning log"):
-        compiled = tvmdm.compile(tiny_layer, tuning_logs=str(tmp_path / "nowhere"))
+        compiled = tvmdm.compile(tiny_layer, shapes=SHAPES, tuning_logs=str(tmp_path / "nowhere"))
+    assert compiled.tuned_kernels == []
+
+
+def test_a_symbolic_module_reads_no_log(smoke_logs, tiny_layer, monkeypatch):
+    """No record matches a kernel with symbolic dims: the logs are not even parsed, and the user hears why."""
+    logs, _ = smoke_logs
+    import schedules.logs
+
+    monkeypatch.setattr(schedules.logs, "load_database", lambda *a, **k: pytest.fail("a log was read"))
+    with pytest.warns(database.TuningLogWarning, match=r"not read: records are for static shapes"):
+        compiled = tvmdm.compile(tiny_layer, tuning_logs=logs)
     assert compiled.tuned_kernels == []
 
 

@@ -15,6 +15,7 @@ import tvm
 from tvm import relax
 
 from tvmdm.core.errors import TvmdmError
+from tvmdm.core.extras import require
 from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT
 from tvmdm.analysis.profile import kernel_flops
 
@@ -207,6 +208,7 @@ def memory_bandwidth_gbs(mb: int = 256, repeat: int = 5) -> float:
 
 def plot(reports: list[Report], path: str, peak_gflops: float | None = None, bandwidth_gbs: float | None = None):
     """Roofline of the kernels (when timed) beside stacked bars of bytes (and time) by class per pipeline."""
+    require("plot", "a roofline plot")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,8 +1,11 @@
 """Bar plot of a ``tvmdm bench`` result (median with p10-p90 whiskers, ratio to onnxruntime), plus the size scan."""
 from __future__ import annotations
 
+from tvmdm.core.extras import require
+
 
 def plot_bench(result: dict, path: str) -> str:
+    require("plot", "a benchmark plot")
     import matplotlib
 
     matplotlib.use("Agg")

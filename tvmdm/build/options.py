@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import tvm
 
 from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT, Options
 from tvmdm.core.target import make_target
+from schedules.database import TuningLogWarning
 
 
 def resolve_logs(tuning_logs, target):
@@ -48,8 +50,13 @@ def make_options(target="llvm", *, fusion: str = DEFAULT_FUSION, layout: str = D
     from schedules.logs import logs_for_target
 
     tvm_target = target if isinstance(target, tvm.target.Target) else make_target(target)
-    logs = resolve_logs(tuning_logs, tvm_target)
-    if logs is not None and not (isinstance(tuning_logs, str) and tuning_logs == "shipped"):
+    shipped = isinstance(tuning_logs, str) and tuning_logs == "shipped"
+    if symbolic and tuning_logs is not None and not shipped:
+        warnings.warn(f"tuning logs {tuning_logs!r} not read: records are for static shapes, and this module keeps "
+                      "symbolic dims (bind them: shapes=... or --batch/--seq)", TuningLogWarning, stacklevel=3)
+    # a symbolic module matches no record: nothing is read (MBs of logs parsed for nothing)
+    logs = resolve_logs(tuning_logs, tvm_target) if not symbolic or tuning_logs is None else []
+    if logs and not shipped:
         # the user's logs: one labelled for another target is left out (with a warning); a single directory
         # that stays keeps its form (packed_lanes reads a list as logs to weigh, a directory as the user's own)
         single = isinstance(logs, (str, os.PathLike))

@@ -13,9 +13,10 @@ def model_or_path(text: str):
     return text
 
 
-def resolve_shapes(model, shape_args, batch: int | None, seq: int | None) -> dict | None:
+def resolve_shapes(model, shape_args, batch: int | None, seq: int | None, embedded_defaults: bool = True) -> dict | None:
     """--shape flags, plus (batch, seq) for every other input when --batch or --seq is given.
-    An embedded model name with none of them gets its default (batch, seq)."""
+    An embedded model name with none of them gets its default (batch, seq) when ``embedded_defaults``
+    (tune, analyze, bench: they measure one size; compile and run keep the dims symbolic)."""
     from onnx_import.importer import onnx_input_specs
     from onnx_import.loader import load_model_proto
     from tvmdm import models
@@ -23,7 +24,7 @@ def resolve_shapes(model, shape_args, batch: int | None, seq: int | None) -> dic
 
     shapes = dict(shape_args or [])
     if isinstance(model, str) and model in models.DEFAULT_MODELS and not os.path.exists(model) \
-            and not shapes and batch is None and seq is None:
+            and not shapes and batch is None and seq is None and embedded_defaults:
         batch, seq = models.default_dims(model)["batch"], models.default_dims(model)["seq"]
     if batch is None and seq is None:
         return shapes or None

@@ -16,7 +16,7 @@ def _median_seconds(fn, repeat: int) -> float:
 
 
 def run_demo(name: str = "bert-base-layer", *, batch: int | None = None, seq: int | None = None,
-             target: str = "llvm") -> int:
+             target: str = "llvm", tuning_logs="shipped") -> int:
     import tvmdm
     from tvmdm import models
     from tvmdm.build.check import compare_outputs, ort_session
@@ -32,7 +32,8 @@ def run_demo(name: str = "bert-base-layer", *, batch: int | None = None, seq: in
     from tvmdm.build.shapes import resolve_shapes
 
     # Bind (batch, seq): the shipped tuning logs are for static shapes.
-    compiled = tvmdm.compile(proto, target=target, shapes=resolve_shapes(name, None, batch, seq))
+    compiled = tvmdm.compile(proto, target=target, shapes=resolve_shapes(name, None, batch, seq),
+                             tuning_logs=tuning_logs)
     feeds = tvmdm.random_inputs(compiled, batch=batch, seq=seq)
 
     print(f"running tvmdm ({len(compiled.tuned_kernels)}/{len(compiled.kernels)} kernels from tuning logs, "
@@ -44,7 +45,7 @@ def run_demo(name: str = "bert-base-layer", *, batch: int | None = None, seq: in
     reference = sess.run(compiled.output_names, feeds)
     ort_s = _median_seconds(lambda: sess.run(compiled.output_names, feeds), repeat=5)
     result = compare_outputs(compiled.output_names, outputs, reference, atol=1e-4, rtol=1e-4)
-    bf16_rows, bf16_ok = _bf16_rows(proto, name, batch, seq, target, feeds, reference, ort_s)
+    bf16_rows, bf16_ok = _bf16_rows(proto, name, batch, seq, target, feeds, reference, ort_s, tuning_logs)
 
     rows = [
         ("build ONNX model", f"{build_s:.2f} s"),
@@ -66,7 +67,7 @@ def run_demo(name: str = "bert-base-layer", *, batch: int | None = None, seq: in
     return 0 if result.ok and bf16_ok else 1
 
 
-def _bf16_rows(proto, name, batch, seq, target, feeds, reference, ort_s) -> tuple[list, bool]:
+def _bf16_rows(proto, name, batch, seq, target, feeds, reference, ort_s, tuning_logs) -> tuple[list, bool]:
     """The same model with bf16 contractions (where this CPU has AVX512-BF16), against fp32 onnxruntime."""
     import tvmdm
     from schedules.bf16 import has_bf16_dot
@@ -77,7 +78,8 @@ def _bf16_rows(proto, name, batch, seq, target, feeds, reference, ort_s) -> tupl
 
     if not has_bf16_dot(make_target(target)):
         return [("precision bf16", "skipped: this target has no AVX512-BF16")], True
-    compiled = tvmdm.compile(proto, target=target, shapes=resolve_shapes(name, None, batch, seq), precision="bf16")
+    compiled = tvmdm.compile(proto, target=target, shapes=resolve_shapes(name, None, batch, seq), precision="bf16",
+                             tuning_logs=tuning_logs)
     outputs = compiled.run(feeds)
     bf16_s = _median_seconds(lambda: compiled.run(feeds), repeat=5)
     check = compare_outputs(compiled.output_names, outputs, reference, atol=0, rtol=0)

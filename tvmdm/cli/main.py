@@ -31,15 +31,19 @@ def _parse_shape(text: str) -> tuple[str, list[int]]:
         raise argparse.ArgumentTypeError(f"bad --shape {text!r}: expected NAME=D0xD1x..., e.g. input_ids=8x128")
 
 
-def _shapes(args) -> dict | None:
-    return dict(args.shape) if args.shape else None
+def _logs(args):
+    """--logs DIR (repeatable) -> tuning_logs=: the shipped logs when not given, none for 'none'."""
+    if not args.logs:
+        return "shipped"
+    return None if args.logs == ["none"] else list(args.logs)
 
 
 def _compile(args):
     import tvmdm
 
-    return tvmdm.compile(model_or_path(args.model), target=args.target, shapes=_shapes(args), fusion=args.fusion,
-                         layout=args.layout, precision=args.precision)
+    shapes = resolve_shapes(args.model, args.shape, args.batch, args.seq, embedded_defaults=False)
+    return tvmdm.compile(model_or_path(args.model), target=args.target, shapes=shapes, fusion=args.fusion,
+                         layout=args.layout, precision=args.precision, tuning_logs=_logs(args))
 
 
 def cmd_compile(args) -> int:
@@ -47,6 +51,8 @@ def cmd_compile(args) -> int:
     out = args.output or (os.path.splitext(os.path.basename(args.model))[0] + ARTIFACT_SUFFIX)
     compiled.export(out)
     print(f"compiled {compiled.source} for {args.target} ({', '.join(f'{k} {v:.1f}s' for k, v in compiled.timings.items())})")
+    print(f"  kernels: {len(compiled.tuned_kernels)} from tuning logs, {len(compiled.hand_kernels)} by hand-written "
+          f"schedules, {len(compiled.kernels)} in all")
     for kind, specs in (("input", compiled.inputs), ("output", compiled.outputs)):
         for s in specs:
             print(f"  {kind} {s.name}: {s.dtype}{list(s.shape)}")
@@ -71,7 +77,7 @@ def cmd_run(args) -> int:
     if args.inputs:
         feeds = _load_inputs(args.inputs)
     else:
-        feeds = tvmdm.random_inputs(runner, batch=args.batch, seq=args.seq, seed=args.seed)
+        feeds = tvmdm.random_inputs(runner, batch=args.batch or 2, seq=args.seq or 8, seed=args.seed)
     t0 = time.perf_counter()
     outputs = runner.run(feeds)
     elapsed = time.perf_counter() - t0
@@ -117,14 +123,15 @@ def cmd_tune(args) -> int:
 
 def _add_tune_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX file or embedded model name (bert-base-layer, ...)")
-    parser.add_argument("--logs", required=True, help="log directory (MetaSchedule JSON database)")
+    parser.add_argument("--logs", required=True, help="tuning log directory to write (a MetaSchedule JSON "
+                        "database; a rerun continues it); compile, run, bench, analyze, train and demo read it "
+                        "with --logs")
     parser.add_argument("--target", default="llvm", help="llvm, cuda or cuda:sm_80 (default llvm)")
     parser.add_argument("--trials", type=_positive_int, default=64, help="total trials wanted in the log (default 64)")
     parser.add_argument("--per-iter", type=_positive_int, default=8, help="trials per task per round (default 8)")
     parser.add_argument("--shape", action="append", default=[], type=_parse_shape, metavar="NAME=D0xD1",
                         help="bind an input shape")
-    parser.add_argument("--batch", type=_positive_int, help="bind every (batch, seq) input's batch dim")
-    parser.add_argument("--seq", type=_positive_int, help="bind every (batch, seq) input's seq dim")
+    _add_batch_seq(parser, "the embedded model's")
     parser.add_argument("--fusion", default=DEFAULT_FUSION, choices=list(FUSION_LEVELS))
     parser.add_argument("--layout", default=DEFAULT_LAYOUT, help="attention layout under --fusion paper (see tvmdm.compile)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
@@ -137,6 +144,18 @@ def _add_tune_options(parser: argparse.ArgumentParser) -> None:
                         "kept; rerun to continue)")
     parser.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on RPC servers through this tracker")
     parser.add_argument("--rpc-key", help="device key the RPC servers registered with")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from tvmdm import __version__
+
+    try:
+        tvm = version("apache-tvm")
+    except PackageNotFoundError:
+        tvm = "not installed"
+    return f"tvmdm {__version__} (apache-tvm {tvm})"
 
 
 def _positive_int(text: str) -> int:
@@ -160,14 +179,15 @@ def _int_list(text: str) -> list[int]:
 def cmd_bench(args) -> int:
     from tvmdm.bench.inference import run_bench
 
-    model = args.model_flag or args.model
+    model = args.model
     if args.train:
         from tvmdm.bench.training import run_train_bench
 
         run_train_bench(model, batch=args.batch, seq=args.seq, target=args.target, min_runs=args.min_runs,
                         max_seconds=args.max_seconds, torch=not args.no_torch,
                         torch_compile=not args.no_torch_compile, json_path=args.json, plot_path=args.plot,
-                        precisions=args.precision.split(","), fusions=args.fusion.split(","))
+                        precisions=args.precision.split(","), fusions=args.fusion.split(","),
+                        tuning_logs=_logs(args))
         return 0
     scan = None
     if args.scan or args.scan_seq or args.scan_batch:
@@ -175,7 +195,8 @@ def cmd_bench(args) -> int:
     run_bench(model, batch=args.batch, seq=args.seq, target=args.target, min_runs=args.min_runs,
               max_seconds=args.max_seconds, untuned=args.untuned, fusion_levels=args.fusion.split(","),
               precisions=args.precision.split(","), ort_optimized=not args.no_ort_opt, torch=not args.no_torch, torch_compile=not args.no_torch_compile,
-              kernels=not args.no_kernels, scan=scan, json_path=args.json, plot_path=args.plot)
+              kernels=not args.no_kernels, scan=scan, json_path=args.json, plot_path=args.plot,
+              tuning_logs=_logs(args))
     return 0
 
 
@@ -184,7 +205,8 @@ def cmd_analyze(args) -> int:
 
     shapes = resolve_shapes(args.model, args.shape, args.batch, args.seq)
     model = model_or_path(args.model)
-    reports = [A.analyze(model, fusion=f, shapes=shapes, measure=args.measure, layout=args.layout)
+    reports = [A.analyze(model, fusion=f, shapes=shapes, measure=args.measure, layout=args.layout,
+                         tuning_logs=_logs(args))
                for f in args.fusion.split(",")]
     text = A.dump(reports, args.format)
     if args.layouts:
@@ -213,20 +235,35 @@ def cmd_train(args) -> int:
 
     losses = run_train(args.model, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
                        target=args.target, plot=None if args.plot == "" else args.plot, json_path=args.json,
-                       export=args.export, dropout=args.dropout, checkpoint=args.checkpoint or False)
+                       export=args.export, dropout=args.dropout, checkpoint=args.checkpoint or False,
+                       tuning_logs=_logs(args))
     return 0 if np.isfinite(losses).all() else 1
 
 
 def cmd_demo(args) -> int:
     from tvmdm.cli.demo import run_demo
 
-    return run_demo(args.model, batch=args.batch, seq=args.seq, target=args.target)
+    return run_demo(args.model, batch=args.batch, seq=args.seq, target=args.target, tuning_logs=_logs(args))
 
 
-def _add_compile_options(p: argparse.ArgumentParser) -> None:
+def _add_batch_seq(p: argparse.ArgumentParser, default: str) -> None:
+    """--batch / --seq mean one thing in every command: the (batch, seq) the model is compiled (bound) and run at."""
+    p.add_argument("--batch", type=_positive_int, help=f"bind every input's batch dim (default: {default})")
+    p.add_argument("--seq", type=_positive_int, help=f"bind every input's sequence dim (default: {default})")
+
+
+def _add_logs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--logs", action="append", metavar="DIR", help="tuning log directory to apply (repeatable; "
+                   "what `tvmdm tune --logs DIR` wrote); default: the shipped logs for the target; 'none': "
+                   "default schedules only")
+
+
+def _add_compile_options(p: argparse.ArgumentParser, default_size: str) -> None:
     p.add_argument("--target", default="llvm", help="llvm (this CPU), cuda or cuda:sm_80 (default: llvm)")
+    _add_batch_seq(p, default_size)
     p.add_argument("--shape", action="append", type=_parse_shape, metavar="NAME=D0xD1",
                    help="bind an input's shape (repeatable); unbound dims stay symbolic")
+    _add_logs(p)
     p.add_argument("--fusion", default=DEFAULT_FUSION, choices=list(FUSION_LEVELS),
                    help=f"fusion level (default: {DEFAULT_FUSION})")
     p.add_argument("--layout", default=DEFAULT_LAYOUT, help="attention layout under --fusion paper (default: bshd)")
@@ -236,23 +273,22 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tvmdm", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("compile", help="compile an ONNX model (or a default model name) into an artifact")
     p.add_argument("model", help="ONNX file, or one of the embedded models (bert-base-layer, bert-small, ...)")
     p.add_argument("-o", "--output", help=f"artifact path (default: MODEL{ARTIFACT_SUFFIX})")
-    _add_compile_options(p)
+    _add_compile_options(p, "symbolic: one artifact for every size")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("run", help="run an artifact or ONNX model on given or synthetic inputs")
     p.add_argument("model", help=f"artifact (*{ARTIFACT_SUFFIX}), ONNX file or embedded model name")
-    p.add_argument("--inputs", help="npz file of inputs (default: synthetic inputs)")
-    p.add_argument("--batch", type=_positive_int, default=2, help="batch size for synthetic inputs (default 2)")
-    p.add_argument("--seq", type=_positive_int, default=8, help="sequence length for synthetic inputs (default 8)")
+    p.add_argument("--inputs", help="npz file of inputs (default: synthetic inputs of --batch x --seq)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", "-o", help="write outputs to this npz file")
     p.add_argument("--check", action="store_true", help="compare against onnxruntime (ONNX models only)")
-    _add_compile_options(p)
+    _add_compile_options(p, "symbolic; synthetic inputs of 2 x 8")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("tune", help="tune the model's kernels with MetaSchedule into a log directory")
@@ -261,10 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="tvmdm vs onnxruntime (plain, BERT-optimized) and PyTorch, same threads")
     p.add_argument("model", nargs="?", default="bert-base-layer", help="ONNX file or embedded model name")
-    p.add_argument("--model", dest="model_flag", help="same as the positional MODEL")
-    p.add_argument("--batch", type=_positive_int, help="batch (default: the embedded model's)")
-    p.add_argument("--seq", type=_positive_int, help="sequence length (default: the embedded model's)")
+    _add_batch_seq(p, "the embedded model's; a file's dims stay symbolic")
     p.add_argument("--target", default="llvm", help="llvm, or cuda on a machine with a GPU")
+    _add_logs(p)
     p.add_argument("--fusion", default=DEFAULT_FUSION, help="comma-separated fusion levels to time (first is 'tvmdm')")
     p.add_argument("--untuned", action="store_true", help="also time tvmdm without tuning logs")
     p.add_argument("--precision", default="fp32", help="comma-separated precisions; each besides fp32 adds a "
@@ -298,16 +333,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a roofline + bytes-by-class plot (PNG)")
     p.add_argument("--measure", action="store_true", help="time every kernel (static shapes; slow on big models)")
     p.add_argument("--shape", action="append", type=_parse_shape, metavar="NAME=D0xD1")
-    p.add_argument("--batch", type=_positive_int)
-    p.add_argument("--seq", type=_positive_int)
+    _add_batch_seq(p, "the embedded model's; a file's dims stay symbolic")
+    _add_logs(p)
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("train", help="train a BERT classifier on a synthetic task with the compiled training step")
     p.add_argument("model", nargs="?", help="ONNX sequence-classification export (default: the embedded "
                    "bert-small with a classifier head)")
     p.add_argument("--steps", type=_positive_int, default=50, help="training steps (default 50)")
-    p.add_argument("--batch", type=_positive_int, default=8, help="batch size (default 8)")
-    p.add_argument("--seq", type=_positive_int, default=32, help="sequence length (default 32)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="bind every input's batch dim (default 8)")
+    p.add_argument("--seq", type=_positive_int, default=32, help="bind every input's sequence dim (default 32)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and the dropout masks")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default 0)")
@@ -316,13 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default="train_loss.png", help="loss curve PNG (default train_loss.png; '' for none)")
     p.add_argument("--json", help="write the losses as JSON")
     p.add_argument("--export", help="write the trained step (weights + optimizer state) for load_train_step")
+    _add_logs(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="compile an embedded BERT model, run it and check it against onnxruntime")
-    p.add_argument("--model", default="bert-base-layer", help="embedded model (default: bert-base-layer)")
-    p.add_argument("--batch", type=_positive_int, help="batch size (default: the model's, 8 for bert-base-layer)")
-    p.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's, 128 for bert-base-layer)")
+    p.add_argument("model", nargs="?", default="bert-base-layer", help="embedded model name (default: "
+                   "bert-base-layer)")
+    _add_batch_seq(p, "the embedded model's, 8 x 128 for bert-base-layer")
     p.add_argument("--target", default="llvm")
+    _add_logs(p)
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from tvmdm.core.extras import require
+
 DEFAULT_MODEL = "bert-small"
 
 
@@ -77,6 +79,7 @@ def train_loop(step, steps: int, seed: int = 0, progress: StepProgress | None = 
 
 
 def plot_losses(losses: list[float], path: str, title: str) -> str:
+    require("plot", "a loss plot")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,7 +104,8 @@ def plot_losses(losses: list[float], path: str, title: str) -> str:
 
 def run_train(model=None, *, steps: int = 50, batch: int = 8, seq: int = 32, lr: float = 1e-3, seed: int = 0,
               target: str = "llvm", plot: str | None = None, json_path: str | None = None,
-              export: str | None = None, dropout: float = 0.0, checkpoint=False, stream=None) -> list[float]:
+              export: str | None = None, dropout: float = 0.0, checkpoint=False, stream=None,
+              tuning_logs="shipped") -> list[float]:
     from tvmdm.train.step import AdamW, compile_train_step
 
     from tvmdm.runtime.inputs import check_positive
@@ -112,7 +116,7 @@ def run_train(model=None, *, steps: int = 50, batch: int = 8, seq: int = 32, lr:
     label = DEFAULT_MODEL + " + classifier" if model is None else str(model)
     t0 = time.perf_counter()
     step = compile_train_step(proto, loss="cross_entropy", optimizer=AdamW(lr=lr), target=target, batch=batch,
-                              seq=seq, dropout=dropout, seed=seed, checkpoint=checkpoint)
+                              seq=seq, dropout=dropout, seed=seed, checkpoint=checkpoint, tuning_logs=tuning_logs)
     stream.write(f"compiled the training step of {label} (batch {batch}, seq {seq}, {len(step.weight_names)} "
                  f"weight tensors, dropout {dropout}, checkpoint {checkpoint or 'off'}) in "
                  f"{time.perf_counter() - t0:.1f}s; peak live tensors {step.memory['peak_live'] / 2**20:.1f} MiB\n")

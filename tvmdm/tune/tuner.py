@@ -16,6 +16,7 @@ import time
 
 from schedules.database import RECORDS, WORKLOADS, TuningLogError, load_database, locked, repair
 from schedules.scheduler import STOPPED
+from tvmdm.core.extras import require
 from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT
 
 _INTERRUPTED: list[int] = []  # signals received by `tvmdm tune` (see _interrupt)
@@ -183,6 +184,9 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
     from tvmdm.core.target import num_cores
 
     stream = stream or sys.stderr
+    require("tune", "tuning")
+    if rpc_tracker is not None:
+        require("rpc", "tuning over RPC")
     check_logs_dir(logs)
     deadline = None if seconds is None else time.perf_counter() + seconds
 
