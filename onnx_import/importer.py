@@ -105,6 +105,18 @@ def _still_symbolic(specs: list[TensorSpec], shapes: dict) -> str:
             f"(batch, seq) for every input (batch=/seq=, --batch/--seq)")
 
 
+def _past_position_table(proto: onnx.ModelProto, shapes: dict) -> str:
+    """Why a bound import failed, where a bound sequence is longer than the model's position table (HF exports
+    slice a position-id buffer of that length: the frontend then fails on a broadcast, naming neither)."""
+    tables = {t.name: int(t.dims[0]) for t in proto.graph.initializer if len(t.dims) == 2 and "position" in t.name}
+    for name, shape in shapes.items():
+        for table, rows in tables.items():
+            if len(shape) >= 2 and int(shape[-1]) > rows:
+                return (f"; input {name!r} is bound to {int(shape[-1])} tokens, but the position table {table!r} "
+                        f"has {rows} rows: sequences may be at most {rows} tokens long")
+    return ""
+
+
 def _shared_initializers(proto: onnx.ModelProto) -> dict[str, list[str]]:
     weights = {t.name for t in proto.graph.initializer
                if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
@@ -177,9 +189,9 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto", shapes: dict | Non
                                                 dtype_dict={s.name: s.dtype for s in onnx_inputs},
                                                 keep_params_in_input=True)
         except frontend_fixes.ConverterError as err:
-            partial = _still_symbolic(onnx_inputs, shapes)
-            if partial:
-                raise ShapeError(f"{source}: {err}{partial}") from None
+            hint = _still_symbolic(onnx_inputs, shapes) or _past_position_table(proto, shapes)
+            if hint:
+                raise ShapeError(f"{source}: {err}{hint}") from None
             raise UnsupportedOperatorError(f"{source}: {err}") from None
     mod, detached = relax.frontend.detach_params(mod)
     main = mod["main"]

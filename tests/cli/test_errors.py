@@ -142,7 +142,9 @@ def _feeds(compiled, **changes):
     (dict(hidden_states=np.zeros((16, 32), np.float32)), r"input 'hidden_states' has rank 2 \(shape \[16, 32\]\), the model expects rank 3"),
     (dict(hidden_states=np.zeros((2, 8, 31), np.float32)), r"input 'hidden_states' axis 2 has size 31, the model was compiled for 32"),
     (dict(attention_mask=np.ones((2, 9), np.int64)), r"dim 'seq' is 8 in input 'hidden_states' but 9 in input 'attention_mask'"),
-    (dict(attention_mask=[[1] * 8] * 2), r"input 'attention_mask' must be a numpy array, got list"),
+    (dict(attention_mask=[[1] * 8] * 3), r"dim 'batch' is 2 in input 'hidden_states' but 3 in input 'attention_mask'"),
+    (dict(attention_mask={"ids": 1}), r"input 'attention_mask' must be a numpy array, a torch tensor, a DLPack "
+                                      r"exporter or a list, got dict"),
 ])
 def test_bad_run_inputs(tiny_compiled, change, message):
     with pytest.raises(tvmdm.InputError, match=message):
@@ -150,7 +152,7 @@ def test_bad_run_inputs(tiny_compiled, change, message):
 
 
 def test_run_needs_a_dict(tiny_compiled):
-    with pytest.raises(tvmdm.InputError, match="inputs must be a dict of input name -> numpy array, got list"):
+    with pytest.raises(tvmdm.InputError, match="inputs must be a mapping of input name -> array \\(a dict, a tokenizer's BatchEncoding\\), got list"):
         tiny_compiled.run([np.zeros((2, 8, 32), np.float32)])
 
 

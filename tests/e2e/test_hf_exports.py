@@ -66,6 +66,13 @@ def test_a_partial_binding_names_the_inputs_left_symbolic():
         tvmdm.compile(model, shapes={"input_ids": [2, 8]})
 
 
+def test_a_bound_sequence_past_the_position_table_says_so(hf_export):
+    path = hf_export("bert", dynamo=False, dynamic=True, opset=17)  # 64 positions
+    with pytest.raises(tvmdm.ShapeError, match=r"input 'input_ids' is bound to 128 tokens, but the position table "
+                                               r"'.*position_embeddings.*' has 64 rows: sequences may be at most 64"):
+        tvmdm.compile(path, shapes={"input_ids": [8, 128]})
+
+
 def test_albert_shared_layers_are_reported(hf_export):
     # ALBERT shares one layer's weights across layers: every such weight is read by more than one node.
     compiled = tvmdm.compile(hf_export("albert", dynamo=False, dynamic=True, opset=17))

@@ -11,6 +11,7 @@ import tvm
 from tvm.runtime.vm import VirtualMachine  # (relax.VirtualMachine; this one loads with libtvm_runtime alone)
 
 from tvmdm.core.errors import INDEX_GUARD_MARK as GUARD_MARK, InputError, TvmdmError
+from tvmdm.runtime.feeds import as_mapping, device_tensor, host_array
 
 
 TRANSFORM_PARAMS = "main_transform_params"  # relax.transform.LiftTransformParams' weight-only function
@@ -76,9 +77,10 @@ class ModelRunner:
         return {name: p.numpy() for name, p in zip(self._param_names, self._params)}
 
     def check_inputs(self, inputs) -> dict[str, np.ndarray]:
-        """Return the inputs as contiguous arrays, or raise InputError naming the input, axis or value at fault."""
-        if not isinstance(inputs, dict):
-            raise InputError(f"inputs must be a dict of input name -> numpy array, got {type(inputs).__name__}")
+        """Return the inputs as contiguous arrays, or raise InputError naming the input, axis or value at fault.
+        ``inputs``: any mapping of input name -> numpy array, torch tensor, DLPack exporter or list
+        (tvmdm.runtime.feeds)."""
+        inputs = as_mapping(inputs)
         expected = self.input_names
         missing = [n for n in expected if n not in inputs]
         extra = sorted(set(inputs) - set(expected))
@@ -88,9 +90,7 @@ class ModelRunner:
         sizes: dict[str, tuple[int, str]] = {}
         checked = {}
         for spec in self.inputs:
-            value = inputs[spec.name]
-            if not isinstance(value, np.ndarray):
-                raise InputError(f"input {spec.name!r} must be a numpy array, got {type(value).__name__}")
+            value = host_array(spec.name, inputs[spec.name])
             if str(value.dtype) != spec.dtype:
                 raise InputError(f"input {spec.name!r} has dtype {value.dtype}, the model expects {spec.dtype}")
             if value.ndim != len(spec.shape):
@@ -121,11 +121,18 @@ class ModelRunner:
             raise InputError(f"input {name!r} holds index {bad}, outside [0, {rows}) of the table that node "
                              f"{node!r} gathers from")
 
-    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """Run the model; returns the outputs as numpy arrays in the ONNX output order."""
+    def run(self, output_names_or_inputs, inputs=None, *, dlpack: bool = False) -> list:
+        """Run the model: ``run(inputs)``, or as onnxruntime's session ``run(None, inputs)`` (every output) and
+        ``run(["name", ...], inputs)`` (those outputs, in that order). Returns numpy arrays, or with
+        ``dlpack=True`` TVM tensors that torch.from_dlpack / np.from_dlpack take without a copy."""
+        if inputs is None:
+            names, inputs = None, output_names_or_inputs
+        else:
+            names = output_names_or_inputs
+        picked = self._output_indices(names)
         checked = self.check_inputs(inputs)
         self._ensure_loaded()
-        args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names]
+        args = [device_tensor(checked[n], self.device) for n in self.input_names]
         try:
             result = self._vm["main"](*args, *self._params)
         except AssertionError as err:  # the module's own index guard (tvmdm.transform.index_guards)
@@ -134,13 +141,23 @@ class ModelRunner:
                 raise
             raise InputError(message[message.index(GUARD_MARK) + len(GUARD_MARK):].splitlines()[0]) from None
         results = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
-        return [r.numpy() for r in results]
+        return [results[i] if dlpack else results[i].numpy() for i in picked]
+
+    def _output_indices(self, names) -> list[int]:
+        if names is None:
+            return list(range(len(self.outputs)))
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise InputError(f"output names must be a list of str or None, got {names!r}")
+        unknown = [n for n in names if n not in self.output_names]
+        if unknown:
+            raise InputError(f"unknown outputs {unknown}; the model's outputs are {self.output_names}")
+        return [self.output_names.index(n) for n in names]
 
     def time(self, inputs: dict[str, np.ndarray], repeat: int = 5) -> list[float]:
         """Seconds per call over ``repeat`` calls (after one warm-up), measured by TVM's time evaluator."""
         checked = self.check_inputs(inputs)
         self._ensure_loaded()
-        args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names] + self._params
+        args = [device_tensor(checked[n], self.device) for n in self.input_names] + self._params
         self._vm.set_input("main", *args)
         timer = self._vm.time_evaluator("invoke_stateful", self.device, number=1, repeat=repeat, min_repeat_ms=0)
         return list(timer("main").results)

@@ -26,6 +26,7 @@ from tvmdm.transform.index_guards import guard_gathers, too_long_for_positions
 from tvmdm.train import graph as train_graph
 from tvmdm.train.dropout import DropoutConfig, strip_exported_dropout
 from tvmdm.core.errors import InputError, ShapeError, TvmdmError
+from tvmdm.runtime.feeds import as_mapping, device_tensor, host_array
 from tvmdm.runtime.runner import ModelRunner
 from tvmdm.core.spec import TensorSpec
 from tvmdm.core.precision import check_precision
@@ -75,13 +76,12 @@ class TrainStep(ModelRunner):
         return list(self._host_params)
 
     def _split_batch(self, batch) -> tuple[list, "tvm.runtime.Tensor"]:
-        if not isinstance(batch, dict):
-            raise InputError(f"a batch must be a dict of input name -> numpy array, got {type(batch).__name__}")
+        batch = as_mapping(batch)  # a dict, a BatchEncoding; numpy, torch, DLPack or list values
         keys = [k for k in TARGET_KEYS if k in batch]
         if len(keys) != 1:
             raise InputError(f"a batch needs the loss target under exactly one of {list(TARGET_KEYS)} "
                              f"({self.target_spec.dtype} {list(self.target_spec.shape)}); got keys {sorted(batch)}")
-        target = batch[keys[0]]
+        target = host_array(keys[0], batch[keys[0]])
         spec = self.target_spec
         if not isinstance(target, np.ndarray) or str(target.dtype) != spec.dtype or \
                 tuple(target.shape) != tuple(spec.shape):
@@ -93,7 +93,7 @@ class TrainStep(ModelRunner):
         checked = self.check_inputs({k: v for k, v in batch.items() if k != keys[0]})
         self._ensure_loaded()
         # the inputs, then the dropout masks of the coming step (the same ones step() and gradients() use)
-        args = [tvm.runtime.tensor(checked[n], self.device) for n in self.input_names] + \
+        args = [device_tensor(checked[n], self.device) for n in self.input_names] + \
             [tvm.runtime.tensor(m, self.device) for m in self.dropout.masks(self.step_count + 1)]
         return args, tvm.runtime.tensor(np.asarray(target, order="C"), self.device)
 
