@@ -10,6 +10,7 @@ from tvm import relax
 
 from schedules.pipeline import apply_schedules, hand_kernels, tuned_kernels
 from schedules.rule import kernels
+from tvmdm.core import native_log
 from tvmdm.core.options import Options
 from tvmdm.transform.fuse import TrainingFusion, fuse
 from tvmdm.transform.ir import op_name
@@ -38,12 +39,13 @@ def schedule(mod: tvm.IRModule, options: Options, training: TrainingFusion | Non
 
 def build(mod: tvm.IRModule, options: Options, training: TrainingFusion | None = None) -> Built:
     timings = {}
-    t0 = time.perf_counter()
-    scheduled, record = schedule(mod, options, training)
-    timings["fuse+schedule"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    executable = relax.build(scheduled, target=options.target)
-    timings["build"] = time.perf_counter() - t0
+    with native_log.to_log():  # TVM's C++ warnings (codegen, TOPI) to the log, not the terminal
+        t0 = time.perf_counter()
+        scheduled, record = schedule(mod, options, training)
+        timings["fuse+schedule"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        executable = relax.build(scheduled, target=options.target)
+        timings["build"] = time.perf_counter() - t0
     kernel_ops = {k: record.kernel_ops.get(k, [op_name(k)]) for k in kernels(scheduled)}
     return Built(executable, scheduled, kernel_ops, record.read_fractions, tuned_kernels(scheduled),
                  hand_kernels(scheduled), timings)

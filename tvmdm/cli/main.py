@@ -274,6 +274,8 @@ def _add_compile_options(p: argparse.ArgumentParser, default_size: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tvmdm", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("-v", "--verbose", action="store_true", help="show TVM's own log lines (C++ warnings, "
+                        "MetaSchedule) and tvmdm's debug log; TVMDM_VERBOSE=1 prints TVM's as it writes them")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("compile", help="compile an ONNX model (or a default model name) into an artifact")
@@ -364,8 +366,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_warnings(message, category, filename, lineno, line=None) -> str:
+    """Warnings as one line each (the category and message), not Python's two with a source line."""
+    return f"tvmdm: {category.__name__}: {message}\n"
+
+
 def main(argv=None) -> int:
+    import logging
+    import warnings
+
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    warnings.formatwarning = _quiet_warnings
     try:
         return args.func(args)
     except (TvmdmError, KeyError, NotImplementedError, ValueError, OSError) as err:

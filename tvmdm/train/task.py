@@ -50,19 +50,26 @@ def synthetic_batch(step, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 class StepProgress:
-    """One line per update: bar, step count, loss (and its running mean), time per step, ETA."""
+    """One line per update: bar, step count, loss (and its running mean), time per step, ETA. The first step
+    loads the weights onto the device and packs them (seconds on BERT-base): time per step and ETA count the
+    steps after it, so the ETA is what is left, not an average with the start-up."""
 
     def __init__(self, total: int, stream=None):
         self.total, self.stream = total, stream or sys.stderr
         self.start = time.perf_counter()
+        self.first_done = None  # when step 1 ended
 
     def update(self, done: int, loss: float, mean: float) -> None:
-        elapsed = time.perf_counter() - self.start
-        per_step = elapsed / done
+        now = time.perf_counter()
+        if done == 1 or self.first_done is None:
+            self.first_done, per_step = now, now - self.start
+        else:
+            per_step = (now - self.first_done) / (done - 1)
         width = 24
         bar = "#" * int(width * done / self.total)
-        line = (f"[{bar:.<{width}}] {done}/{self.total} steps  loss {loss:.4f} (mean of last 10 {mean:.4f})  "
-                f"{per_step * 1e3:.0f} ms/step  ETA {per_step * (self.total - done):.0f}s")
+        timing = (f"first step {per_step * 1e3:.0f} ms (loads the weights)" if done == 1 and self.total > 1 else
+                  f"{per_step * 1e3:.0f} ms/step  ETA {per_step * (self.total - done):.0f}s")
+        line = f"[{bar:.<{width}}] {done}/{self.total} steps  loss {loss:.4f} (mean of last 10 {mean:.4f})  {timing}"
         self.stream.write(line + ("\r" if self.stream.isatty() and done < self.total else "\n"))
         self.stream.flush()
 

@@ -99,7 +99,7 @@ def guard_gathers(check: bool = True) -> tvm.transform.Pass:
                     inside = relax.op.clip(indices, relax.prim_value(tvm.tirx.const(0, dtype)),
                                            relax.prim_value(tvm.tirx.const(rows - 1, dtype)))
                     bb.emit_normalized(relax.VarBinding(binding.var, bb.normalize(
-                        relax.op.take(table, bb.emit(inside), axis=axis, mode=str(take.attrs.mode)))))
+                        relax.op.take(table, bb.emit(inside), axis=axis, mode="clip"))))
                     return None
                 # the same var: a graph output (not a DataflowVar) stays one
                 clipped = bb.normalize(relax.op.take(table, indices, axis=axis, mode="clip"))

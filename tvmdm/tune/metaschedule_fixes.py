@@ -43,10 +43,17 @@ def reset_metaschedule_logging() -> None:
     """MetaSchedule's logging setup lists the names of the handlers already on its logger; a handler without
     a name (one added by another library or a test harness, or left by a previous tuning run in the same
     process) makes it fail with "'NoneType' object has no attribute 'format'". It re-creates its own
-    handlers, so clear them before each tuning run."""
+    handlers, so clear them before each tuning run.
+
+    Its console handler (on stdout, where results go) takes this logger's level: WARNING keeps its INFO lines
+    in its log files (<logs>/logs/) unless tvmdm's debug log is on (``tvmdm -v``, TVMDM_VERBOSE=1)."""
     import logging
+
+    from tvmdm.core import native_log
 
     logger = logging.getLogger("tvm.s_tir.meta_schedule")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()
+    chatty = native_log.verbose() or logging.getLogger("tvmdm").isEnabledFor(logging.DEBUG)
+    logger.setLevel(logging.INFO if chatty else logging.WARNING)

@@ -16,6 +16,7 @@ import time
 
 from schedules.database import RECORDS, WORKLOADS, TuningLogError, load_database, locked, repair
 from schedules.scheduler import STOPPED
+from tvmdm.core import native_log
 from tvmdm.core.extras import require
 from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT
 
@@ -183,7 +184,7 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
     from tvmdm.tune import metaschedule_fixes
     from tvmdm.core.target import num_cores
 
-    stream = stream or sys.stderr
+    stream = stream or native_log.CurrentStderr()
     require("tune", "tuning")
     if rpc_tracker is not None:
         require("rpc", "tuning over RPC")
@@ -202,7 +203,8 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
 
     # The tuner itself imports the tensor intrinsics too (~27 s of TVMScript parsing without this).
     metaschedule_fixes.speed_up_tvmscript_parsing()
-    tasks, tvm_target = extract_tasks(model, target, shapes, fusion, train, only, layout, precision)
+    with native_log.to_log(os.path.join(logs, "logs", "native.log")):
+        tasks, tvm_target = extract_tasks(model, target, shapes, fusion, train, only, layout, precision)
     if not tasks:
         raise ValueError(f"no tuning task left (--only {only})")
     names = [t.task_name for t in tasks]
@@ -223,12 +225,14 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
         stop = lambda: stopped() is not None  # noqa: E731
         builder = StoppableBuilder(make_builder(), stop, num_cores(), deadline, measured=lambda: progress.done > 0)
         try:
-            ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=logs,
-                          max_trials_global=remaining, num_trials_per_iter=per_iter, database=database,
-                          builder=builder,
-                          runner=make_runner(rpc_tracker, rpc_key), cost_model="xgb",
-                          measure_callbacks=measure_callbacks(_progress_callback(progress)),
-                          task_scheduler=JoinEachBatch(stop))
+            # MetaSchedule's task logs (TIR included) and TVM's C++ lines beside the records, not on the terminal
+            with native_log.to_log(os.path.join(logs, "logs", "native.log")):
+                ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=logs,
+                              max_trials_global=remaining, num_trials_per_iter=per_iter, database=database,
+                              builder=builder,
+                              runner=make_runner(rpc_tracker, rpc_key), cost_model="xgb",
+                              measure_callbacks=measure_callbacks(_progress_callback(progress)),
+                              task_scheduler=JoinEachBatch(stop))
         finally:  # a stopped run's trials and time count too
             stream.write("\n" + progress.summary() + "\n")
             _write_meta(logs, name or model, tvm_target, shapes, fusion, time.perf_counter() - progress.start,
