@@ -39,6 +39,8 @@ def test_bench_tiny_layer_all_systems_json_plot_and_scan(tmp_path):
     png = (tmp_path / "b.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert any(line.startswith("tvmdm ") for line in lines) and result["kernels"]
+    # every system ran in a process of its own: PyTorch's threads never shared this one with the others
+    assert any("(a process of its own)" in line for line in lines)
 
 
 def test_bench_onnx_file_skips_pytorch_with_reason(tmp_path, tiny_layer):
@@ -72,9 +74,22 @@ def test_kernel_flops_and_call_sites_are_exact():
 
 
 def test_bench_refuses_wrong_answers(monkeypatch):
-    from tvmdm.build import compiled as build
+    """The check runs in the system's own process (tvmdm.bench.isolated), against onnxruntime's outputs."""
+    import copy
 
-    monkeypatch.setattr(build.Compiled, "run", lambda self, feeds: [np.zeros((2, 8, 32), np.float32)])
+    from onnx import numpy_helper
+
+    from tvmdm.bench import inference
+
+    compile_systems = inference._tvmdm_systems
+
+    def with_other_weights(proto, *args):  # what a wrong kernel would give: a different answer
+        other = copy.deepcopy(proto)
+        weight = next(t for t in other.graph.initializer if len(t.dims) == 2)
+        weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) + 1.0, weight.name))
+        return compile_systems(other, *args)
+
+    monkeypatch.setattr(inference, "_tvmdm_systems", with_other_weights)
     with pytest.raises(AssertionError, match="tvmdm disagrees with onnxruntime before timing"):
         run_bench("bert-tiny-layer", batch=2, seq=8, min_runs=1, kernels=False, torch=False, out=lambda line: None)
 
@@ -136,7 +151,8 @@ def test_train_bench_refuses_a_step_that_does_not_train(monkeypatch):
 
 def test_reduced_precision_rows_are_held_to_their_documented_bound():
     # `bench --target cuda --precision fp32,fp16` raised on its fp16 row: only "bf16" names got the loose bound
-    from tvmdm.bench.inference import check_agreement, reduced_precision_bounds
+    from tvmdm.bench.inference import reduced_precision_bounds
+    from tvmdm.bench.timing import check_agreement
     from tvmdm.core.precision import BF16_MAX_REL_ERR, FP16_MAX_REL_ERR
 
     reference = [np.linspace(-1, 1, 64, dtype=np.float32)]
@@ -183,3 +199,22 @@ def test_torch_amp_step_with_grad_scaler_runs_and_matches_fp32():
     amp = torch_step(TorchReference("bert-tiny-layer", proto), feeds, target, 1e-3, autocast="fp16")
     for _ in range(2):
         assert amp() == pytest.approx(exact(), rel=1e-2)
+
+
+def test_plot_titles_are_plain_words_and_the_axis_is_logarithmic(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    from tvmdm.bench import plot
+
+    result = {"model": "bert-base-layer", "shapes": {"hidden_states": [8, 128, 768], "attention_mask": [8, 128]},
+              "machine": {"cpu": {"model": "AMD EPYC"}}, "threads": 2,
+              "timings": [{"system": "onnxruntime", "median_ms": 90.0, "p10_ms": 88.0, "p90_ms": 95.0,
+                           "vs_onnxruntime": 1.0},
+                          {"system": "tvmdm-untuned", "median_ms": 16000.0, "p10_ms": 15900.0, "p90_ms": 16100.0,
+                           "vs_onnxruntime": 177.8}]}
+    assert plot.title(result) == "bert-base-layer, batch 8 x seq 128, on AMD EPYC (2 threads)"
+    scales = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xscale", lambda ax, value, **k: scales.append(value))
+    path = plot.plot_bench(result, str(tmp_path / "p.png"))
+    assert scales == ["log"] and open(path, "rb").read(4) == b"\x89PNG"

@@ -29,7 +29,8 @@ import time
 
 import numpy as np
 
-from tvmdm.bench.inference import check_and_time, format_table, summarize, time_until_stable
+from tvmdm.bench.inference import check_and_time, format_table, summarize
+from tvmdm.bench.timing import time_until_stable
 
 SIZES = {"base": [(1, 128), (8, 128), (1, 512)], "tiny-12": [(1, 16), (2, 8), (1, 40)]}
 TRAIN_SIZE = {"base": (8, 128), "tiny-12": (2, 8)}

@@ -10,11 +10,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import time
+import os
+import tempfile
 from typing import Callable
 
 import numpy as np
 
+from tvmdm.bench.isolated import Job, run_jobs
+from tvmdm.bench.timing import check_agreement, time_until_stable
 from tvmdm.core.errors import TvmdmError
 from tvmdm.core.options import DEFAULT_FUSION
 
@@ -31,28 +34,6 @@ class Timing:
     gflops_per_s: float | None = None
     vs_onnxruntime: float | None = None
     vs_torch_eager: float | None = None  # the training bench's baseline
-
-
-def time_until_stable(fn, *, warmup: int = 2, min_runs: int = 5, max_runs: int = 100, max_seconds: float = 30.0,
-                      rel_tol: float = 0.02) -> list[float]:
-    """Seconds per call: rounds of ``min_runs`` calls until one more round moves the median by < ``rel_tol``
-    (or ``max_runs`` / ``max_seconds`` is reached)."""
-    for _ in range(warmup):
-        fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    previous = None
-    while True:
-        for _ in range(min_runs):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        median = float(np.median(times))
-        if previous is not None and abs(median - previous) <= rel_tol * previous:
-            return times
-        if len(times) >= max_runs or time.perf_counter() - start > max_seconds:
-            return times
-        previous = median
 
 
 def summarize(system: str, seconds: list[float], flops: int | None = None) -> Timing:
@@ -111,29 +92,32 @@ def ort_runner(session, names) -> Runner:
     return lambda feeds: session.run(names, feeds)
 
 
-def _onnxruntime_systems(proto, model_name, threads, output_names, gpu: bool,
-                         optimized: bool) -> tuple[dict, dict]:
+def _onnxruntime_jobs(proto, model_name, threads, gpu: bool, optimized: bool, tmp: str) -> tuple[dict, dict]:
     """onnxruntime as shipped, and after onnxruntime.transformers' BERT optimizer (its strongest CPU setup)."""
+    import onnx
     import onnxruntime as ort
 
     from tvmdm import models
-    from tvmdm.build.compiled import ort_session
 
-    systems, skipped = {"onnxruntime": ort_runner(ort_session(proto, threads), output_names)}, {}
+    def job(model, providers=("CPUExecutionProvider",)):
+        path = os.path.join(tmp, f"ort{len(os.listdir(tmp))}.onnx")
+        onnx.save(model, path)
+        return Job("onnxruntime", {"model": path, "threads": threads, "providers": list(providers)})
+
+    jobs, skipped = {"onnxruntime": job(proto)}, {}
     if optimized:
         try:
-            optimized_proto = bert_optimized(proto, models.DEFAULT_MODELS.get(model_name, (None, None))[1])
-            systems["onnxruntime-bert-opt"] = ort_runner(ort_session(optimized_proto, threads), output_names)
+            jobs["onnxruntime-bert-opt"] = job(bert_optimized(proto, models.DEFAULT_MODELS.get(model_name,
+                                                                                            (None, None))[1]))
         except Exception as err:  # a best-effort graph rewriter: record why it did not apply, go on without it
             skipped["onnxruntime-bert-opt"] = f"{type(err).__name__}: {err}"
     if gpu:
         if "CUDAExecutionProvider" in ort.get_available_providers():
-            session = ort.InferenceSession(proto.SerializeToString(), providers=["CUDAExecutionProvider"])
-            systems["onnxruntime-cuda"] = ort_runner(session, output_names)
+            jobs["onnxruntime-cuda"] = job(proto, ["CUDAExecutionProvider"])
         else:
             skipped["onnxruntime-cuda"] = f"onnxruntime {ort.__version__} here has no CUDAExecutionProvider " \
                                           "(install onnxruntime-gpu)"
-    return systems, skipped
+    return jobs, skipped
 
 
 def bert_optimized(proto, cfg):
@@ -154,52 +138,35 @@ def bert_optimized(proto, cfg):
         return optimize_model(path, model_type="bert", num_heads=heads, hidden_size=hidden).model
 
 
-def _torch_systems(model_name, proto, threads, torch_compile: bool, gpu: bool) -> tuple[dict, dict]:
+def _torch_jobs(model_name, model_path, threads, torch_compile: bool, gpu: bool) -> tuple[dict, dict]:
+    import importlib.util
+
     from tvmdm import models
 
-    try:
-        import torch
-
-        from tvmdm.models.torch_reference import TorchReference
-    except ImportError as err:
-        return {}, {"torch-eager": f"not installed ({err.name}); pip install -e '.[dev]'"}
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        return {}, {"torch-eager": "not installed; pip install 'tvmdm[dev]'"}
     if model_name not in models.DEFAULT_MODELS:
         return {}, {"torch-eager": "PyTorch runs only the embedded models (their twins are HF modules); an ONNX "
                                    "file carries no PyTorch program"}
-    torch.set_num_threads(threads)
-    systems, skipped = {"torch-eager": TorchReference(model_name, proto).run}, {}
+
+    def job(**spec):
+        return Job("torch", {"model_name": model_name, "model": model_path, "threads": threads, **spec})
+
+    jobs, skipped = {"torch-eager": job()}, {}
     if torch_compile:
-        systems["torch-compile"] = TorchReference(model_name, proto).compile().run
+        jobs["torch-compile"] = job(compile=True)
     if gpu:
+        import torch
+
         if torch.cuda.is_available():  # fp32 strict, TF32 matmuls, fp16 autocast, and inductor on fp32
-            systems["torch-cuda"] = TorchReference(model_name, proto, device="cuda").run
+            jobs["torch-cuda"] = job(device="cuda")
             for precision in ("tf32", "fp16"):
-                systems[f"torch-cuda[{precision}]"] = TorchReference(model_name, proto, device="cuda",
-                                                                     precision=precision).run
+                jobs[f"torch-cuda[{precision}]"] = job(device="cuda", precision=precision)
             if torch_compile:
-                systems["torch-cuda-compile"] = TorchReference(model_name, proto, device="cuda").compile().run
+                jobs["torch-cuda-compile"] = job(device="cuda", compile=True)
         else:
             skipped["torch-cuda"] = "torch sees no CUDA device"
-    return systems, skipped
-
-
-def check_agreement(systems: dict, feeds: dict, reference: list, atol: float = 1e-3, rtol: float = 1e-3,
-                    relative: dict | None = None) -> dict:
-    """Max abs error of every system vs the reference outputs; AssertionError naming the first that disagrees.
-    ``relative``: system -> allowed max relative error (max |err| / max |ref|) instead of atol/rtol (the
-    reduced-precision systems: tvmdm.core.precision.MAX_REL_ERR)."""
-    from tvmdm.build.compiled import compare_outputs
-
-    names = [f"output_{i}" for i in range(len(reference))]
-    relative = relative or {}
-    errors = {}
-    for name, run in systems.items():
-        check = compare_outputs(names, [np.asarray(o) for o in run(feeds)], reference, atol=atol, rtol=rtol)
-        ok = max(o.max_rel_err for o in check.outputs) <= relative[name] if name in relative else check.ok
-        if not ok:
-            raise AssertionError(f"{name} disagrees with onnxruntime before timing:\n{check}")
-        errors[name] = check.max_abs_err
-    return errors
+    return jobs, skipped
 
 
 def reduced_precision_bounds(names) -> dict:
@@ -209,10 +176,6 @@ def reduced_precision_bounds(names) -> dict:
     return {name: MAX_REL_ERR[reduced_precision(name)] for name in names if reduced_precision(name)}
 
 
-def _runner_of(system) -> Runner:
-    return system.run if hasattr(system, "run") else system
-
-
 def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fusion_levels=(DEFAULT_FUSION,),
                     precisions=("fp32",), untuned: bool = False, ort_optimized: bool = True, torch: bool = True,
                     torch_compile: bool = True, min_runs: int = 5, max_seconds: float = 30.0,
@@ -220,22 +183,33 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
     """Build every system for one (batch, seq), check them against onnxruntime, time them. Returns a dict with
     timings, agreement, skipped systems and the tvmdm Compiled objects."""
     import tvmdm
+    from tvmdm.build.check import ort_session
     from tvmdm.core.target import num_cores
 
     threads = num_cores()
     gpu = target.startswith("cuda")
     compiled = _tvmdm_systems(proto, shapes, target, list(fusion_levels), untuned, tuning_logs, precisions)
     first = next(iter(compiled.values()))
-    measured = measure_kernels(first) if kernels and target == "llvm" else None  # before torch: see there
+    measured = measure_kernels(first) if kernels and target == "llvm" else None
     feeds = tvmdm.random_inputs(first, batch=1, seq=1, dims=_dims(first, shapes))
-    ort_systems, skipped = _onnxruntime_systems(proto, model, threads, first.output_names, gpu, ort_optimized)
-    torch_systems, torch_skipped = _torch_systems(model, proto, threads, torch_compile, gpu) if torch else ({}, {})
-    skipped.update(torch_skipped)
-    systems = {**ort_systems, **{k: _runner_of(v) for k, v in compiled.items()}, **torch_systems}
-
-    flops = matmul_flops(proto, shapes)
-    agreement, timings = check_and_time(systems, feeds, systems["onnxruntime"](feeds), min_runs=min_runs,
-                                        max_seconds=max_seconds, flops=flops, out=out)
+    with tempfile.TemporaryDirectory(prefix="tvmdm-bench-") as tmp:
+        # each system checked and timed in a process of its own (tvmdm.bench.isolated)
+        ort_jobs, skipped = _onnxruntime_jobs(proto, model, threads, gpu, ort_optimized, tmp)
+        model_path = ort_jobs["onnxruntime"].spec["model"]
+        tvm_jobs = {name: Job("tvmdm", {"artifact": c.export(os.path.join(tmp, f"tvmdm{i}.tvmdm"))})
+                    for i, (name, c) in enumerate(compiled.items())}
+        torch_jobs, torch_skipped = _torch_jobs(model, model_path, threads, torch_compile, gpu) if torch else ({}, {})
+        skipped.update(torch_skipped)
+        jobs = {**ort_jobs, **tvm_jobs, **torch_jobs}
+        reference = ort_session(proto, threads).run(first.output_names, feeds)
+        flops = matmul_flops(proto, shapes)
+        for name in jobs:
+            out(f"  checking and timing {name} (a process of its own) ...")
+        agreement, seconds = run_jobs(jobs, feeds, reference, min_runs=min_runs, max_seconds=max_seconds,
+                                      relative=reduced_precision_bounds(jobs))
+    timings = [summarize(name, seconds[name], flops) for name in jobs]
+    for t in timings:
+        t.vs_onnxruntime = t.median_ms / timings[0].median_ms
     return {"timings": timings, "agreement": agreement, "skipped": skipped, "compiled": compiled,
             "flops": flops, "threads": threads, "kernels": measured}
 

@@ -11,7 +11,7 @@ import subprocess
 INTERESTING_FLAGS = ("fma", "avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile",
                      "amx_bf16", "amx_int8")
 PACKAGES = ("apache-tvm", "apache-tvm-ffi", "onnx", "onnxruntime", "onnxruntime-gpu", "numpy", "torch",
-            "transformers", "xgboost")
+            "transformers", "xgboost", "xgboost-cpu")
 
 
 def cpu_info() -> dict:

@@ -16,13 +16,30 @@ def plot_bench(result: dict, path: str) -> str:
     _bars(axes[0][0], result)
     if scan:
         _scan_lines(axes[0][1], scan)
-    what = " training step" if result.get("ratio") == "vs_torch_eager" else ""
-    fig.suptitle(f"{result['model']}{what} {result['shapes']} on {result['machine']['cpu']['model']}, "
-                 f"{result['threads']} threads", fontsize=9)
+    fig.suptitle(title(result), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def title(result: dict) -> str:
+    """Plain words: "bert-base-layer, batch 8 x seq 128, training step, on AMD EPYC (2 threads)"."""
+    what = ", training step" if result.get("ratio") == "vs_torch_eager" else ""
+    return f"{result['model']}, {size(result['shapes'])}{what}, on {result['machine']['cpu']['model']} " \
+           f"({result['threads']} threads)"
+
+
+def size(shapes: dict) -> str:
+    """The (batch, seq) of the bound shapes when every input agrees on them, else each input's dims (a training
+    bench gives {"batch": B, "seq": S} itself)."""
+    if set(shapes) == {"batch", "seq"}:
+        return f"batch {shapes['batch']} x seq {shapes['seq']}"
+    pairs = {tuple(shape[:2]) for shape in shapes.values() if len(shape) >= 2}
+    if len(pairs) == 1:
+        batch, seq = next(iter(pairs))
+        return f"batch {batch} x seq {seq}"
+    return ", ".join(f"{name} {'x'.join(map(str, shape))}" for name, shape in shapes.items())
 
 
 def _bars(ax, result: dict) -> None:
@@ -40,8 +57,11 @@ def _bars(ax, result: dict) -> None:
         versus = f" ({t[ratio]:.2f}x {baseline})" if t.get(ratio) is not None else ""
         ax.text(t["p90_ms"], y, f"  {t['median_ms']:.3g} ms{versus}", va="center", fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("median latency, ms (whiskers: p10-p90)")
-    ax.set_xlim(0, max(t["p90_ms"] for t in timings) * 1.6)
+    # a log axis: one slow system (an untuned build, a GPU-less fallback) must not flatten the others' bars
+    ax.set_xscale("log")
+    ax.set_xlabel("median latency, ms, log scale (whiskers: p10-p90)")
+    ax.set_xlim(min(t["p10_ms"] for t in timings) / 2, max(t["p90_ms"] for t in timings) * 8)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
 
 
 def _scan_lines(ax, scan: list[dict]) -> None:

@@ -11,7 +11,8 @@ import dataclasses
 
 import numpy as np
 
-from tvmdm.bench.inference import format_table, matmul_flops, summarize, time_until_stable, write_result
+from tvmdm.bench.inference import format_table, matmul_flops, summarize, write_result
+from tvmdm.bench.timing import time_until_stable
 from tvmdm.core.errors import TvmdmError
 from tvmdm.core.options import DEFAULT_FUSION
 from tvmdm.core.precision import reduced_precision
