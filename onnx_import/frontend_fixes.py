@@ -161,5 +161,10 @@ def patch_onnx_frontend() -> None:
     fe.ConstantOfShape = _constant_of_shape_converter(fe.ConstantOfShape)
     fe.Range = _range_converter(fe.Range)
     fe.Expand = _expand_converter(fe.Expand)
+    from onnx_import import contrib_ops  # onnxruntime's fused BERT ops, with its semantics
+
+    fe.SkipLayerNormalization = contrib_ops.skip_layer_normalization(fe.SkipLayerNormalization)
+    fe.EmbedLayerNormalization = contrib_ops.embed_layer_normalization(fe.EmbedLayerNormalization)
+    fe.Attention = contrib_ops.attention(fe.Attention)
     fe.ONNXGraphImporter._convert_operator = _naming_convert_operator(fe.ONNXGraphImporter._convert_operator)
     _PATCHED = True
