@@ -34,7 +34,7 @@ def check_agreement(systems: dict, feeds: dict, reference: list, atol: float = 1
     """Max abs error of every system vs the reference outputs; AssertionError naming the first that disagrees.
     ``relative``: system -> allowed max relative error (max |err| / max |ref|) instead of atol/rtol (the
     reduced-precision systems: tvmdm.core.precision.MAX_REL_ERR)."""
-    from tvmdm.build.compiled import compare_outputs
+    from tvmdm.build.check import compare_outputs
 
     names = [f"output_{i}" for i in range(len(reference))]
     relative = relative or {}
