@@ -10,12 +10,15 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 # Stamp files so a second `make` does not reinstall; they are rebuilt when pyproject.toml changes.
+# pip's own progress is shown (no -q): the core is ~500 MB, the dev extra ~1.7 GB in all (README: Install).
 $(VENV)/.core: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e .
+	@echo "installing tvmdm (core: TVM, onnx, onnxruntime, numpy; ~500 MB) into $(VENV) ..."
+	$(BIN)/python -m pip install --progress-bar on -e .
 	touch $@
 
 $(VENV)/.dev: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	@echo "installing tvmdm with the dev extra (+ tune, plot, torch CPU, transformers, pytest; ~1.7 GB) into $(VENV) ..."
+	$(BIN)/python -m pip install --progress-bar on -e '.[dev]'
 	touch $@ $(VENV)/.core
 
 demo: $(VENV)/.core

@@ -36,9 +36,8 @@ def test_smoke_tuning_writes_a_log(smoke_logs):
     meta = json.load(open(os.path.join(logs, "meta.json")))
     assert meta["target_kind"] == "llvm" and meta["trials"] >= 4 and meta["shapes"] == SHAPES
     assert meta["model"] == "bert-tiny-layer" and meta["tuning_seconds"] > 0
-    # MetaSchedule's and TVM's own lines (TIR of the candidates) sit beside the records, not on the terminal
-    with open(os.path.join(logs, "logs", "native.log")) as f:
-        assert f.read().strip()
+    # TVM's own lines (C++ warnings, TIR a task prints) go beside the records, not to the terminal
+    assert os.path.isfile(os.path.join(logs, "logs", "native.log"))
 
 
 def test_every_command_that_compiles_takes_the_logs_tune_wrote(smoke_logs, tiny_layer, tmp_path, capsys):

@@ -205,9 +205,10 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
         flops = matmul_flops(proto, shapes)
         for name in jobs:
             out(f"  checking and timing {name} (a process of its own) ...")
-        agreement, seconds = run_jobs(jobs, feeds, reference, min_runs=min_runs, max_seconds=max_seconds,
-                                      relative=reduced_precision_bounds(jobs))
-    timings = [summarize(name, seconds[name], flops) for name in jobs]
+        results = run_jobs(jobs, feeds, reference, min_runs=min_runs, max_seconds=max_seconds,
+                           relative=reduced_precision_bounds(jobs))
+    agreement = {name: r["max_abs_err"] for name, r in results.items()}
+    timings = [summarize(name, results[name]["seconds"], flops) for name in jobs]
     for t in timings:
         t.vs_onnxruntime = t.median_ms / timings[0].median_ms
     return {"timings": timings, "agreement": agreement, "skipped": skipped, "compiled": compiled,

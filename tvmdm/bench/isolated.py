@@ -22,34 +22,36 @@ import numpy as np
 
 @dataclasses.dataclass
 class Job:
-    """One system: ``kind`` "tvmdm" (spec: artifact), "onnxruntime" (model, threads, providers) or "torch"
-    (model_name, model, threads, compile, device, precision)."""
+    """One system. Inference: ``kind`` "tvmdm" (spec: artifact), "onnxruntime" (model, threads, providers) or
+    "torch" (model_name, model, threads, compile, device, precision). A training step: "tvmdm-train" (spec:
+    step, an exported TrainStep) or "torch-train" (as "torch", plus lr and autocast)."""
     kind: str
     spec: dict
 
 
-def run_jobs(jobs: dict[str, Job], feeds: dict, reference: list, *, min_runs: int, max_seconds: float,
-             relative: dict, timeout_s: float = 900.0) -> tuple[dict, dict[str, list[float]]]:
-    """(max abs error vs the reference, seconds per call) of every job, each in its own process, in order.
-    AssertionError naming the first system whose outputs disagree (as check_agreement)."""
-    errors, seconds = {}, {}
+def run_jobs(jobs: dict[str, Job], feeds: dict, reference: list | None = None, *, min_runs: int,
+             max_seconds: float, relative: dict | None = None, timeout_s: float = 900.0) -> dict[str, dict]:
+    """Each job in a process of its own, in order: name -> {"seconds": [...]} plus, for inference,
+    "max_abs_err" vs ``reference`` (AssertionError naming the first system that disagrees, as
+    check_agreement), for a training step "losses" (its first two steps, before timing)."""
+    results = {}
     with tempfile.TemporaryDirectory(prefix="tvmdm-bench-") as tmp:
         np.savez(os.path.join(tmp, "feeds.npz"), **feeds)
-        np.savez(os.path.join(tmp, "reference.npz"), *reference)
+        np.savez(os.path.join(tmp, "reference.npz"), *(reference or []))
         for name, job in jobs.items():
-            path = os.path.join(tmp, f"job{len(seconds)}.json")
+            path = os.path.join(tmp, f"job{len(results)}.json")
             with open(path, "w") as f:
                 json.dump({"name": name, "kind": job.kind, "spec": job.spec, "dir": tmp, "min_runs": min_runs,
-                           "max_seconds": max_seconds, "max_rel_err": relative.get(name)}, f)
-            # a tvmdm system runs as deployed: TVM's runtime library alone (faster to start, no compiler)
+                           "max_seconds": max_seconds, "max_rel_err": (relative or {}).get(name)}, f)
+            # a tvmdm model runs as deployed: TVM's runtime library alone (faster to start, no compiler); a
+            # training step's module imports Relax (tvmdm.train.step), which needs the compiler library
             env = dict(os.environ, TVM_USE_RUNTIME_LIB="1") if job.kind == "tvmdm" else None
             done = subprocess.run([sys.executable, "-m", "tvmdm.bench.isolated", path], capture_output=True,
                                   text=True, timeout=timeout_s, env=env)
-            result = _result(path + ".out", name, done)
-            if "disagrees" in result:
-                raise AssertionError(result["disagrees"])
-            errors[name], seconds[name] = result["max_abs_err"], result["seconds"]
-    return errors, seconds
+            results[name] = _result(path + ".out", name, done)
+            if "disagrees" in results[name]:
+                raise AssertionError(results[name]["disagrees"])
+    return results
 
 
 def _result(path: str, name: str, done) -> dict:
@@ -60,7 +62,20 @@ def _result(path: str, name: str, done) -> dict:
     raise RuntimeError(f"benchmark process for {name} failed (exit {done.returncode}):\n{tail}")
 
 
-def _runner(kind: str, spec: dict):
+def _torch_reference(spec: dict):
+    import onnx
+    import torch
+
+    from tvmdm.models.torch_reference import TorchReference
+
+    torch.set_num_threads(spec["threads"])
+    reference = TorchReference(spec["model_name"], onnx.load(spec["model"]), device=spec.get("device", "cpu"),
+                               precision=spec.get("precision", "fp32"))
+    return reference.compile() if spec.get("compile") else reference
+
+
+def _runner(kind: str, spec: dict, feeds: dict):
+    """What one call of the system is: run(feeds) for inference, step() -> loss for a training step."""
     if kind == "tvmdm":
         import tvmdm
 
@@ -75,15 +90,17 @@ def _runner(kind: str, spec: dict):
         names = [o.name for o in session.get_outputs()]
         return lambda feeds: session.run(names, feeds)
     if kind == "torch":
-        import onnx
-        import torch
+        return _torch_reference(spec).run
+    if kind == "tvmdm-train":
+        import tvmdm
 
-        from tvmdm.models.torch_reference import TorchReference
+        step = tvmdm.load_train_step(spec["step"])
+        return lambda: step.step(feeds)
+    if kind == "torch-train":
+        from tvmdm.models.torch_reference import torch_step
 
-        torch.set_num_threads(spec["threads"])
-        reference = TorchReference(spec["model_name"], onnx.load(spec["model"]), device=spec.get("device", "cpu"),
-                                   precision=spec.get("precision", "fp32"))
-        return (reference.compile() if spec.get("compile") else reference).run
+        inputs = {k: v for k, v in feeds.items() if k != "labels"}
+        return torch_step(_torch_reference(spec), inputs, feeds["labels"], spec["lr"], autocast=spec.get("autocast"))
     raise ValueError(f"unknown benchmark job kind {kind!r}")
 
 
@@ -97,15 +114,19 @@ def main(path: str) -> int:
         feeds = {k: data[k] for k in data.files}
     with np.load(os.path.join(job["dir"], "reference.npz")) as data:
         reference = [data[f"arr_{i}"] for i in range(len(data.files))]
-    run = _runner(job["kind"], job["spec"])
-    relative = {name: job["max_rel_err"]} if job["max_rel_err"] is not None else {}
-    try:
-        errors = check_agreement({name: run}, feeds, reference, relative=relative)
-    except AssertionError as err:
-        result = {"disagrees": str(err)}
+    run = _runner(job["kind"], job["spec"], feeds)
+    if job["kind"].endswith("-train"):  # two steps from the same start (the caller compares the losses), then timed
+        result = {"losses": [run(), run()],
+                  "seconds": time_until_stable(run, warmup=1, min_runs=job["min_runs"], max_seconds=job["max_seconds"])}
     else:
-        times = time_until_stable(lambda: run(feeds), min_runs=job["min_runs"], max_seconds=job["max_seconds"])
-        result = {"max_abs_err": errors[name], "seconds": times}
+        relative = {name: job["max_rel_err"]} if job["max_rel_err"] is not None else {}
+        try:
+            errors = check_agreement({name: run}, feeds, reference, relative=relative)
+        except AssertionError as err:
+            result = {"disagrees": str(err)}
+        else:
+            times = time_until_stable(lambda: run(feeds), min_runs=job["min_runs"], max_seconds=job["max_seconds"])
+            result = {"max_abs_err": errors[name], "seconds": times}
     with open(path + ".out", "w") as f:
         json.dump(result, f)
     return 0

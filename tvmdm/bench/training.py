@@ -3,16 +3,19 @@
 Every system starts from the same weights and takes the same batch (the model's inputs and an MSE target of its
 output's shape). Before timing, each takes two steps and the losses they report must agree (the second one
 checks the update, too). Then each is timed until its median is stable, as the inference bench does.
+Each system takes its steps in a process of its own (tvmdm.bench.isolated), its two checked steps first.
 GFLOP/s counts 3x the forward matmul flops (forward, input gradients, weight gradients).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 
 import numpy as np
 
 from tvmdm.bench.inference import format_table, matmul_flops, summarize, write_result
-from tvmdm.bench.timing import time_until_stable
+from tvmdm.bench.isolated import Job, run_jobs
 from tvmdm.core.errors import TvmdmError
 from tvmdm.core.options import DEFAULT_FUSION
 from tvmdm.core.precision import reduced_precision
@@ -20,97 +23,71 @@ from tvmdm.core.precision import reduced_precision
 LR = 1e-4
 
 
-def torch_step(ref, feeds: dict, target: np.ndarray, lr: float, autocast: str | None = None):
-    """A PyTorch training step on ``ref``'s module (an HF twin of the ONNX model): returns step() -> loss.
-    ``autocast``: "bf16" or "fp16": forward and loss under torch.autocast (PyTorch's mixed precision; fp16 with
-    a GradScaler, as AMP is used on CUDA)."""
-    import contextlib
+def training_jobs(model: str, proto, batch: int, seq: int, tmp: str, *, target: str = "llvm", torch: bool = True,
+                  torch_compile: bool = True, tuning_logs="shipped", lr: float = LR, precisions=("fp32",),
+                  fusions=(DEFAULT_FUSION,)):
+    """(name -> Job, skipped systems with reasons, the tvmdm TrainStep, the batch every system takes). Each
+    precision besides fp32 adds tvmdm[p] and (bf16) torch-eager[bf16] (autocast); each fusion level after the
+    first (which "tvmdm" uses) adds tvmdm[fusion=level]. Every step is exported before it takes one, so all
+    start from the same weights."""
+    import importlib.util
 
-    import torch
+    import onnx
 
-    ref.module.train()
-    optimizer = torch.optim.AdamW(ref.module.parameters(), lr=lr)
-    inputs, target_t = ref.torch_inputs(feeds), torch.from_numpy(target).to(ref.device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast)
-    context = (lambda: torch.autocast(ref.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
-    scaler = torch.amp.GradScaler(ref.device.type) if autocast == "fp16" else None
-
-    def step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        with context():
-            out = ref.forward(inputs)
-            loss = torch.nn.functional.mse_loss((out[0] if isinstance(out, tuple) else out).float(), target_t)
-        if scaler is None:
-            loss.backward()
-            optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        return loss.item()  # a host read: the step has finished, as tvmdm's returns its loss
-
-    return step
-
-
-def training_systems(model: str, proto, batch: int, seq: int, *, target: str = "llvm", torch: bool = True,
-                     torch_compile: bool = True, tuning_logs="shipped", lr: float = LR, precisions=("fp32",),
-                     fusions=(DEFAULT_FUSION,)):
-    """name -> step() callable returning the loss, plus skipped systems with reasons, plus the TrainStep.
-    Each precision besides fp32 adds tvmdm[p] and (bf16) torch-eager[bf16] (autocast); each fusion level after
-    the first (which "tvmdm" uses) adds tvmdm[fusion=level]."""
     import tvmdm
     from tvmdm import models
-
-    def compile_step(precision, fusion=fusions[0]):
-        return tvmdm.compile_train_step(proto, loss="mse", optimizer=tvmdm.AdamW(lr=lr), target=target,
-                                        batch=batch, seq=seq, tuning_logs=tuning_logs, precision=precision,
-                                        fusion=fusion)
-
-    step = compile_step("fp32")
-    feeds = tvmdm.random_inputs(step, batch=batch, seq=seq)
-    labels = np.random.default_rng(1).standard_normal(step.target_spec.shape).astype(np.float32)
-    systems = {"tvmdm": lambda: step.step(dict(feeds, labels=labels))}
-    for fusion in fusions[1:]:
-        other = compile_step("fp32", fusion)
-        systems[f"tvmdm[fusion={fusion}]"] = lambda s=other: s.step(dict(feeds, labels=labels))
-    reduced = [p for p in precisions if p != "fp32"]
-    for precision in reduced:
-        other = compile_step(precision)
-        systems[f"tvmdm[{precision}]"] = lambda s=other: s.step(dict(feeds, labels=labels))
-    skipped = {}
-    if not torch:
-        return systems, skipped, step, feeds
-    try:
-        import torch as torch_mod
-
-        from tvmdm.models.torch_reference import TorchReference
-    except ImportError as err:
-        return systems, {"torch-eager": f"not installed ({err.name}); pip install -e '.[dev]'"}, step, feeds
-    if model not in models.DEFAULT_MODELS:
-        return systems, {"torch-eager": "PyTorch trains only the embedded models (their twins are HF modules)"}, \
-            step, feeds
     from tvmdm.core.target import num_cores
 
-    torch_mod.set_num_threads(num_cores())
-    systems["torch-eager"] = torch_step(TorchReference(model, proto), feeds, labels, lr)
+    def step_job(precision, fusion=fusions[0]):
+        step = tvmdm.compile_train_step(proto, loss="mse", optimizer=tvmdm.AdamW(lr=lr), target=target,
+                                        batch=batch, seq=seq, tuning_logs=tuning_logs, precision=precision,
+                                        fusion=fusion)
+        return step, Job("tvmdm-train", {"step": step.export(os.path.join(tmp, f"step{len(jobs)}.tar"))})
+
+    jobs = {}
+    step, jobs["tvmdm"] = step_job("fp32")
+    feeds = tvmdm.random_inputs(step, batch=batch, seq=seq)
+    labels = np.random.default_rng(1).standard_normal(step.target_spec.shape).astype(np.float32)
+    for fusion in fusions[1:]:
+        jobs[f"tvmdm[fusion={fusion}]"] = step_job("fp32", fusion)[1]
+    reduced = [p for p in precisions if p != "fp32"]
+    for precision in reduced:
+        jobs[f"tvmdm[{precision}]"] = step_job(precision)[1]
+    batch_feeds = dict(feeds, labels=labels)
+    if not torch:
+        return jobs, {}, step, batch_feeds
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        return jobs, {"torch-eager": "not installed; pip install 'tvmdm[dev]'"}, step, batch_feeds
+    if model not in models.DEFAULT_MODELS:
+        return jobs, {"torch-eager": "PyTorch trains only the embedded models (their twins are HF modules)"}, \
+            step, batch_feeds
+    model_path = os.path.join(tmp, "model.onnx")
+    onnx.save(proto, model_path)
+
+    def torch_job(**spec):
+        return Job("torch-train", {"model_name": model, "model": model_path, "threads": num_cores(), "lr": lr,
+                                   **spec})
+
+    skipped = {}
+    jobs["torch-eager"] = torch_job()
     if "bf16" in reduced:
-        systems["torch-eager[bf16]"] = torch_step(TorchReference(model, proto), feeds, labels, lr, autocast="bf16")
+        jobs["torch-eager[bf16]"] = torch_job(autocast="bf16")
     if torch_compile:
-        systems["torch-compile"] = torch_step(TorchReference(model, proto).compile(), feeds, labels, lr)
+        jobs["torch-compile"] = torch_job(compile=True)
     if target.startswith("cuda"):  # the step on the GPU too: fp32, and AMP (fp16 autocast + GradScaler)
+        import torch as torch_mod
+
         if torch_mod.cuda.is_available():
-            systems["torch-cuda"] = torch_step(TorchReference(model, proto, device="cuda"), feeds, labels, lr)
-            systems["torch-cuda[fp16]"] = torch_step(TorchReference(model, proto, device="cuda"), feeds, labels,
-                                                      lr, autocast="fp16")
+            jobs["torch-cuda"] = torch_job(device="cuda")
+            jobs["torch-cuda[fp16]"] = torch_job(device="cuda", autocast="fp16")
         else:
             skipped["torch-cuda"] = "torch sees no CUDA device"
-    return systems, skipped, step, feeds
+    return jobs, skipped, step, batch_feeds
 
 
-def check_training_agreement(systems: dict, rtol: float = 1e-3, reduced_rtol: float = 1e-2) -> dict:
-    """Two steps of every system from the same state: the losses must agree (the second checks the update);
-    systems in reduced precision (a "[bf16]" or "[fp16]" name) within ``reduced_rtol``."""
-    losses = {name: [step(), step()] for name, step in systems.items()}
+def check_training_agreement(losses: dict, rtol: float = 1e-3, reduced_rtol: float = 1e-2) -> dict:
+    """The first two losses of every system, from the same state, must agree with tvmdm's (the second checks
+    the update); systems in reduced precision (a "[bf16]" or "[fp16]" name) within ``reduced_rtol``."""
     reference = losses["tvmdm"]
     for name, pair in losses.items():
         tolerance = reduced_rtol if reduced_precision(name) else rtol
@@ -137,17 +114,17 @@ def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = N
         batch, seq = batch or dims["batch"], seq or dims["seq"]
     if batch is None or seq is None:
         raise TvmdmError(f"bench --train needs concrete sizes for {model}: give --batch and --seq")
-    systems, skipped, step, _ = training_systems(model, proto, batch, seq, target=target, torch=torch,
-                                                 torch_compile=torch_compile, tuning_logs=tuning_logs,
-                                                 precisions=precisions, fusions=tuple(fusions))
-    losses = check_training_agreement(systems)
+    with tempfile.TemporaryDirectory(prefix="tvmdm-bench-train-") as tmp:
+        jobs, skipped, step, batch_feeds = training_jobs(model, proto, batch, seq, tmp, target=target, torch=torch,
+                                                         torch_compile=torch_compile, tuning_logs=tuning_logs,
+                                                         precisions=precisions, fusions=tuple(fusions))
+        for name in jobs:  # each in a process of its own (tvmdm.bench.isolated)
+            out(f"  checking and timing {name} training step (a process of its own) ...")
+        results = run_jobs(jobs, batch_feeds, min_runs=min_runs, max_seconds=max_seconds)
+    losses = check_training_agreement({name: r["losses"] for name, r in results.items()})
     flops = matmul_flops(proto, resolve_shapes(model, None, batch, seq))
     flops = 3 * flops if flops else None
-    timings = []
-    for name, fn in systems.items():
-        out(f"  timing {name} training step ...")
-        timings.append(summarize(name, time_until_stable(fn, warmup=1, min_runs=min_runs, max_seconds=max_seconds),
-                                 flops))
+    timings = [summarize(name, r["seconds"], flops) for name, r in results.items()]
     eager = next((t.median_ms for t in timings if t.system == "torch-eager"), None)
     for t in timings:
         t.vs_torch_eager = t.median_ms / eager if eager else None

@@ -73,9 +73,7 @@ def _forward(path: str, log_path: str | None) -> None:
             text = f.read()
     finally:
         os.unlink(path)
-    if not text:
-        return
-    if log_path:
+    if log_path:  # made even when empty: the file says where TVM's lines go
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         with open(log_path, "a", encoding="utf-8") as f:
             f.write(text)

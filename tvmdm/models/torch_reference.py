@@ -116,3 +116,35 @@ class TorchReference:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return [out.detach().float().cpu().numpy()]
+
+
+def torch_step(ref, feeds: dict, target: np.ndarray, lr: float, autocast: str | None = None):
+    """A PyTorch training step on ``ref``'s module (an HF twin of the ONNX model): returns step() -> loss.
+    ``autocast``: "bf16" or "fp16": forward and loss under torch.autocast (PyTorch's mixed precision; fp16 with
+    a GradScaler, as AMP is used on CUDA)."""
+    import contextlib
+
+    import torch
+
+    ref.module.train()
+    optimizer = torch.optim.AdamW(ref.module.parameters(), lr=lr)
+    inputs, target_t = ref.torch_inputs(feeds), torch.from_numpy(target).to(ref.device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast)
+    context = (lambda: torch.autocast(ref.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+    scaler = torch.amp.GradScaler(ref.device.type) if autocast == "fp16" else None
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        with context():
+            out = ref.forward(inputs)
+            loss = torch.nn.functional.mse_loss((out[0] if isinstance(out, tuple) else out).float(), target_t)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return loss.item()  # a host read: the step has finished, as tvmdm's returns its loss
+
+    return step
