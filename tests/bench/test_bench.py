@@ -16,7 +16,7 @@ def test_bench_tiny_layer_all_systems_json_plot_and_scan(tmp_path):
     pytest.importorskip("torch")
     lines = []
     result = run_bench("bert-tiny-layer", batch=2, seq=8, min_runs=3, max_seconds=2, untuned=True,
-                       torch_compile=False, scan={"seq": [4, 8], "batch": [1]}, json_path=str(tmp_path / "b.json"),
+                       torch_compile=False, scan={"seq": [4], "batch": [1]}, json_path=str(tmp_path / "b.json"),
                        plot_path=str(tmp_path / "b.png"), out=lines.append)
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["schema"] == "tvmdm-bench/1"
@@ -32,8 +32,7 @@ def test_bench_tiny_layer_all_systems_json_plot_and_scan(tmp_path):
     assert max(data["max_abs_err_vs_onnxruntime"].values()) < 1e-4
     assert data["machine"]["versions"]["apache-tvm"] == "0.27.0.post1" and data["machine"]["threads"] >= 1
     assert data["machine"]["cpu"]["model"]
-    assert [(r["batch"], r["seq"], r["sweeps"]) for r in data["scan"]] == [(2, 4, ["seq"]), (2, 8, ["seq"]),
-                                                                           (1, 8, ["batch"])]
+    assert [(r["batch"], r["seq"], r["sweeps"]) for r in data["scan"]] == [(2, 4, ["seq"]), (1, 8, ["batch"])]
     assert all([t["system"] for t in r["timings"]] == ["onnxruntime", "tvmdm", "torch-eager"] for r in data["scan"])
     assert data["scan"][0]["matmul_flops"] < data["scan"][1]["matmul_flops"]
     png = (tmp_path / "b.png").read_bytes()
