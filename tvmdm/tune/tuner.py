@@ -33,6 +33,11 @@ def extract_tasks(model, target, shapes=None, fusion=DEFAULT_FUSION, train: bool
     from tvm.s_tir import meta_schedule as ms
 
     from onnx_import import import_onnx
+    from tvmdm.tune import metaschedule_fixes
+
+    # MetaSchedule imports the tensor intrinsics while it builds design spaces: minutes of TVMScript parsing
+    # once a process holds many modules (torch's) without this
+    metaschedule_fixes.speed_up_tvmscript_parsing()
     from tvmdm.build.options import make_options
     from tvmdm.runtime.runner import TRANSFORM_PARAMS
     from tvmdm.train.fusion import training_fusion
@@ -201,8 +206,6 @@ def tune(model, *, logs: str, target="llvm", trials: int = 64, shapes=None, fusi
             time.perf_counter() > deadline or builder.out_of_time)
         return f"deadline of {seconds:g} s" if late else None
 
-    # The tuner itself imports the tensor intrinsics too (~27 s of TVMScript parsing without this).
-    metaschedule_fixes.speed_up_tvmscript_parsing()
     with native_log.to_log(os.path.join(logs, "logs", "native.log")):
         tasks, tvm_target = extract_tasks(model, target, shapes, fusion, train, only, layout, precision)
     if not tasks:
