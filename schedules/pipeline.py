@@ -4,18 +4,20 @@ Each rule schedules the kernels it knows and returns nothing for the others; a k
 that takes it. The order says which schedule wins where several could:
 
   1-2  column reductions, transposes: by hand; MetaSchedule's CPU space finds nothing as good;
-  3-4  packed fp32 and bf16 contractions: the kernels the precision rewrites made for our micro-kernels;
-  5    tuning records, when they were tuned on this CPU model (``Options.records_first``);
-  6-7  the paper's attention kernels and row-wise normalizations, by hand;
-  8    tuning records otherwise (tuned on another CPU model: 5.5 ms for SM from the Zen 4 log on a Sapphire
+  3-5  packed fp32 and bf16 contractions: the kernels the precision rewrites made for our micro-kernels
+       (bf16 on the AMX tiles where the CPU has them and the shape fills whole tiles, else AVX512-BF16);
+  6    tuning records, when they were tuned on this CPU model (``Options.records_first``);
+  7-8  the paper's attention kernels and row-wise normalizations, by hand;
+  9    tuning records otherwise (tuned on another CPU model: 5.5 ms for SM from the Zen 4 log on a Sapphire
        Rapids VM against 1.5 ms by hand, so they only fill in);
-  9    the default schedule, for every kernel left.
+  10   the default schedule, for every kernel left.
 """
 from __future__ import annotations
 
 import tvm
 from tvm import tirx
 
+from schedules.amx import AmxContractions
 from schedules.attention import AttentionKernels
 from schedules.bf16 import Bf16Contractions
 from schedules.default import DefaultSchedule
@@ -30,6 +32,7 @@ SCHEDULE_RULES = (
     ColumnReductions(),
     Transposes(),
     PackedContractions(),
+    AmxContractions(),
     Bf16Contractions(),
     TuningRecords(first=True),
     AttentionKernels(),

@@ -99,7 +99,7 @@ def test_bigger_layer_flops_scale(tmp_path):
     cfg = BertConfig(hidden=64, heads=4, ffn=256, batch=1, seq=16)
     report = tvmdm.analyze(build_encoder_layer(cfg), fusion="none",
                            shapes={"hidden_states": [1, 16, 64], "attention_mask": [1, 16]})
-    t, h, f = 16, 64, 256
+    t, h = 16, 64
     qkv = sum(r.flops for r in report.rows if r.ops == ["matmul"] and r.flops == 2 * t * h * h)
     assert qkv == 4 * 2 * t * h * h  # QKV 3*2*B*S*H*H plus the output projection
 

@@ -117,7 +117,11 @@ def test_bf16_code_of_each_kind(kind):
         compiled = tvmdm.compile(build_encoder_layer(LAYER), shapes=SHAPES, target=kind.target(), precision="bf16")
     _BUILT[(kind.name, "bf16")] = compiled
     assert any("no AVX512-BF16" in str(w.message) for w in caught) != kind.bf16_dot
-    assert ("vdpbf16ps" in asm_of(compiled)) == kind.bf16_dot
+    asm = asm_of(compiled)
+    # with AMX every bf16 contraction of this layer is on the tiles (attention stays fp32 under fusion="paper")
+    assert ("vdpbf16ps" in asm) == (kind.bf16_dot and not kind.amx)
+    assert ("tdpbf16ps" in asm) == kind.amx
+    assert any("no AMX-BF16" in str(w.message) for w in caught) == (kind.bf16_dot and not kind.amx)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -4,7 +4,6 @@ against onnxruntime, kernel counts and bytes against stock TVM fusion."""
 import numpy as np
 import pytest
 import tvm
-from tvm import relax
 
 from tvmdm.models import hf_export as hf_exports
 import tvmdm

@@ -38,6 +38,7 @@ class Compiled(ModelRunner):
         self.mod = built.mod  # the fused, scheduled IRModule that was built (for analysis and profiling)
         # kernel -> {input index: share of it read}: packed inputs a kernel reads only a slice of
         self.read_fractions = built.read_fractions
+        self.uses_amx = built.uses_amx
 
     @property
     def source(self) -> str:

@@ -8,6 +8,7 @@ import time
 import tvm
 from tvm import relax
 
+from schedules.amx import uses_amx
 from schedules.pipeline import apply_schedules, hand_kernels, tuned_kernels
 from schedules.rule import kernels
 from tvmdm.core import native_log
@@ -29,6 +30,7 @@ class Built:
     tuned_kernels: list
     hand_kernels: list
     timings: dict
+    uses_amx: bool = False  # kernels on the AMX tile units: the process must ask for the tile state
 
 
 def schedule(mod: tvm.IRModule, options: Options, training: TrainingFusion | None = None):
@@ -48,4 +50,4 @@ def build(mod: tvm.IRModule, options: Options, training: TrainingFusion | None =
         timings["build"] = time.perf_counter() - t0
     kernel_ops = {k: record.kernel_ops.get(k, [op_name(k)]) for k in kernels(scheduled)}
     return Built(executable, scheduled, kernel_ops, record.read_fractions, tuned_kernels(scheduled),
-                 hand_kernels(scheduled), timings)
+                 hand_kernels(scheduled), timings, uses_amx(scheduled))

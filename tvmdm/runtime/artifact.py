@@ -169,6 +169,7 @@ def export_artifact(runner, path) -> str:
         "inputs": [s.to_json() for s in runner.inputs],
         "outputs": [s.to_json() for s in runner.outputs],
         "index_bounds": {k: list(v) for k, v in runner.index_bounds.items()},
+        "amx": runner.uses_amx,
     }
     return write_bundle(path, manifest, runner._executable, runner.params())
 
@@ -180,8 +181,10 @@ def load(path) -> "ModelRunner":
 
     manifest, lib, params = read_bundle(path)
     with manifest_entries(path):
-        return ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
+        runner = ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
                            outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]], params=params,
                            target_kind=manifest["target_kind"],
                            index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
                            reload_params=lambda: read_params(path))
+        runner.uses_amx = bool(manifest.get("amx", False))  # (written since the AMX kernels; older: none)
+        return runner

@@ -10,6 +10,7 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine  # (relax.VirtualMachine; this one loads with libtvm_runtime alone)
 
+from tvmdm.runtime import amx
 from tvmdm.core.errors import INDEX_GUARD_MARK as GUARD_MARK, InputError, TvmdmError
 from tvmdm.runtime.feeds import as_mapping, device_tensor, host_array
 
@@ -42,6 +43,7 @@ class ModelRunner:
         self._vm = None
         self._params = None
         self._transformed = False
+        self.uses_amx = False  # kernels on the AMX tile units (tvmdm.runtime.amx): set by compile and load
 
     def _ensure_loaded(self):
         if self._vm is None:
@@ -50,6 +52,7 @@ class ModelRunner:
                 raise TvmdmError(f"this module was compiled for {self.target_kind}, but no {self.target_kind} device "
                                  "is present here: export it and run it on a machine that has one")
             _provide_assert_op()
+            amx.prepare(self.uses_amx)
             self._vm = VirtualMachine(self._executable, self.device)
             self._params = []
             for name in self._param_names:

@@ -211,6 +211,7 @@ class TrainStep(ModelRunner):
             "optimizer": {"lr": self.optimizer.lr, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps,
                           "weight_decay": self.optimizer.weight_decay},
             "loss_scaler": self.loss_scaler.to_json() if self.loss_scaler else None,
+            "amx": self.uses_amx,
         }
         return write_bundle(path, manifest, self._executable, self.state_dict())
 
@@ -234,6 +235,7 @@ def load_train_step(path: "str | os.PathLike") -> TrainStep:
                        step_count=int(state["step"]), dropout=DropoutConfig.from_json(manifest["dropout"]),
                        loss_scaler=LossScaler(**manifest["loss_scaler"]) if manifest.get("loss_scaler") else None)
         ts.lr, ts.memory, ts.checkpoint = manifest["lr"], manifest["memory"], manifest["checkpoint"]
+        ts.uses_amx = bool(manifest.get("amx", False))
     return ts
 
 
@@ -374,4 +376,5 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     step.memory = memory_estimate(mod)
     step.checkpoint = checkpoint
     step.precision = precision
+    step.uses_amx = built.uses_amx
     return step

@@ -1,0 +1,235 @@
+"""The bf16 contraction's schedule on CPUs with AMX-BF16 (Sapphire Rapids): the tile units.
+
+One ``tdpbf16ps`` multiplies a 16 x 32 bf16 tile of activations by a 16 (k pairs) x 16 (columns) x 2 tile of
+weights into a 16 x 16 fp32 accumulator tile. The weights are already stored as AMX reads them: tvmdm.precision
+packs them once at load as [N/16, K/2, 16, 2] bf16 bits (the AVX512-BF16 layout), so each B tile is 1 KiB
+contiguous, 64 bytes a row. The activations (bf16 bits, [rows, K]) are read in place, a row apart.
+
+A unit of work (one tensorized call) is ``GROUP`` blocks of 32 rows by 32 columns over the whole of K: per
+block, 4 accumulator tiles (tmm0-3) from 2 activation tiles (tmm4-5) and 2 weight tiles (tmm6-7), all 8 tiles
+of palette 1, K in steps of 32. The blocks of a unit share their weight tiles (read from L1/L2 once per block
+row) and the unit loads the tile configuration once. The accumulators go out to a 32G x 32 fp32 buffer on the
+stack, from which the fused epilogue (bias, GELU, residual, the next operator's bf16 conversion) is computed while
+it is in L1. Units run in parallel over the cores; each unit loads the tile configuration itself (a thread's
+tile state is its own) and releases it at its end.
+
+A process must ask Linux for the tile data state before its first tile instruction (tvmdm.runtime.amx);
+modules built with these kernels do so when they load.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import tvm
+from tvm import tirx
+from tvm.s_tir import Schedule, TensorIntrin
+from tvm.s_tir.analysis import estimate_tir_flops
+from tvm.script import tirx as T
+
+from schedules.default import inline_elementwise
+from schedules.packed import epilogue_into_tile, has_block
+from schedules.bf16 import has_bf16_dot
+from schedules.rule import FLOPS_ATTR, RULE_ATTR, ScheduleRule
+from tvmdm.transform.kernels import GEMM_BLOCK, LANES, PAIR, bf16_value
+
+CPU_FEATURE = "amx-bf16"  # LLVM's name; /proc/cpuinfo says amx_bf16
+TILE_ROWS = 16  # rows of every tile (palette 1 allows 16)
+TILE_BYTES = 64  # bytes per tile row: 32 bf16 or 16 fp32
+BLOCK = 2 * TILE_ROWS  # columns of a block (2 accumulator tiles wide), and its rows where they divide by 32
+K_STEP = TILE_BYTES // 2  # bf16 values of K per activation tile row
+GROUPS = (4, 2, 1)  # blocks of rows per unit, the largest that divides the rows
+EMULATE = False  # tests: every tile instruction as the loops it stands for (see amx_intrin), on any CPU
+
+# Tile numbers: four accumulators (block row i, column j -> 2i + j), two activation tiles, two weight tiles.
+ACC, A_TILES, B_TILES = (0, 1, 2, 3), (4, 5), (6, 7)
+
+
+def tile_config_words() -> list[int]:
+    """The 64-byte tile configuration as 8 little-endian uint64 words: palette 1 (byte 0), each of the 8 tiles
+    16 rows (bytes 48-55) of 64 bytes (u16 at bytes 16-31)."""
+    config = bytearray(64)
+    config[0] = 1
+    for tile in range(8):
+        config[16 + 2 * tile: 18 + 2 * tile] = TILE_BYTES.to_bytes(2, "little")
+        config[48 + tile] = TILE_ROWS
+    return [int.from_bytes(config[8 * i: 8 * i + 8], "little") for i in range(8)]
+
+
+def has_amx_bf16(target: tvm.target.Target) -> bool:
+    """Whether ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has the AMX-BF16 tile units."""
+    from tvm.target import codegen
+
+    return target.kind.name == "llvm" and bool(codegen.target_has_features(CPU_FEATURE, target))
+
+
+def _intrin(name: str, *args):
+    return T.call_llvm_intrin("void", f"llvm.x86.{name}", *args)
+
+
+@functools.lru_cache(maxsize=None)
+def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = False) -> str:
+    """Register (once) and name the tensor intrinsic of one unit: ``groups`` blocks of ``block_rows`` (32, or
+    16: one activation tile and two accumulators) x 32 columns over K = ``k`` (a multiple of 32). ``emulate``: each tile instruction replaced by the loops it stands for
+    (what the tile units compute, on any CPU): tests check the kernels' tiles and addresses with it where
+    there is no AMX."""
+    rows = block_rows * groups
+    a_count = block_rows // TILE_ROWS  # activation tiles per block; accumulators: 2 per activation tile
+    half = k // PAIR
+    words = tile_config_words()
+    name = f"tvmdm_amx_bf16_{block_rows}x{groups}x{BLOCK}x{k}" + ("_emulated" if emulate else "")
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.Buffer((rows, k), "uint16", offset_factor=1),
+             w: T.Buffer((2, half, LANES, PAIR), "uint16", offset_factor=1),
+             c: T.Buffer((rows, BLOCK), "float32", offset_factor=1, scope="local")):
+        with T.sblock("root"):
+            T.reads(c[0:rows, 0:BLOCK], a[0:rows, 0:k], w[0:2, 0:half, 0:LANES, 0:PAIR])
+            T.writes(c[0:rows, 0:BLOCK])
+            for i, j, r in T.grid(rows, BLOCK, k):
+                with T.sblock("update"):
+                    vi, vj, vr = T.axis.remap("SSR", [i, j, r])
+                    c[vi, vj] = c[vi, vj] + bf16_value(a[vi, vr]) * bf16_value(
+                        w[vj // LANES, vr // PAIR, vj % LANES, vr % PAIR])
+
+    @T.prim_func(s_tir=True)
+    def impl(a_handle: T.handle, w_handle: T.handle, c_handle: T.handle):
+        a_stride = T.int32()
+        w_stride = T.int32()
+        c_stride = T.int32()
+        a = T.match_buffer(a_handle, (rows, k), "uint16", offset_factor=1, strides=[a_stride, 1])
+        w = T.match_buffer(w_handle, (2, half, LANES, PAIR), "uint16", offset_factor=1,
+                           strides=[w_stride, LANES * PAIR, PAIR, 1])
+        c = T.match_buffer(c_handle, (rows, BLOCK), "float32", offset_factor=1, scope="local",
+                           strides=[c_stride, 1])
+        with T.sblock("root"):
+            T.reads(c[0:rows, 0:BLOCK], a[0:rows, 0:k], w[0:2, 0:half, 0:LANES, 0:PAIR])
+            T.writes(c[0:rows, 0:BLOCK])
+            # emulate: the same tiles in local buffers, each tile instruction as the loops it stands for
+            acc_tiles = T.decl_buffer((2 * a_count, TILE_ROWS, LANES), "float32", scope="local")
+            a_tiles = T.decl_buffer((a_count, TILE_ROWS, K_STEP), "uint16", scope="local")
+            b_tiles = T.decl_buffer((2, TILE_ROWS, LANES, PAIR), "uint16", scope="local")
+            config = T.decl_buffer((8,), "uint64", scope="local")
+            if not emulate:
+                for word in T.unroll(8):
+                    config[word] = T.uint64(0)
+                config[0] = T.uint64(words[0])  # palette
+                config[2] = T.uint64(words[2])  # bytes per row, tiles 0-3
+                config[3] = T.uint64(words[3])  # tiles 4-7
+                config[6] = T.uint64(words[6])  # rows, tiles 0-7
+                T.evaluate(_intrin("ldtilecfg", T.address_of(config[0])))
+            for g in range(groups):
+                for t in T.unroll(2 * a_count):  # accumulator t: block row t // 2, column t % 2
+                    if emulate:
+                        for r, x in T.grid(TILE_ROWS, LANES):
+                            acc_tiles[t, r, x] = c[g * block_rows + t // 2 * TILE_ROWS + r, t % 2 * LANES + x]
+                    else:
+                        T.evaluate(_intrin("tileloadd64", T.int8(t), c.access_ptr(
+                            "r", offset=(g * block_rows + t // 2 * TILE_ROWS) * c_stride + t % 2 * LANES),
+                            T.int64(c_stride * 4)))
+                for step in range(k // K_STEP):
+                    for t in T.unroll(a_count):  # activation rows t * 16.., K step * 32..
+                        if emulate:
+                            for r, x in T.grid(TILE_ROWS, K_STEP):
+                                a_tiles[t, r, x] = a[g * block_rows + t * TILE_ROWS + r, step * K_STEP + x]
+                        else:
+                            T.evaluate(_intrin("tileloadd64", T.int8(A_TILES[0] + t), a.access_ptr(
+                                "r", offset=(g * block_rows + t * TILE_ROWS) * a_stride + step * K_STEP),
+                                T.int64(a_stride * 2)))
+                    for t in T.unroll(2):  # weight columns t * 16.., k pairs step * 16..
+                        if emulate:
+                            for r, x, p in T.grid(TILE_ROWS, LANES, PAIR):
+                                b_tiles[t, r, x, p] = w[t, step * TILE_ROWS + r, x, p]
+                        else:
+                            T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t), w.access_ptr(
+                                "r", offset=t * w_stride + step * TILE_ROWS * LANES * PAIR), T.int64(TILE_BYTES)))
+                    for t in T.unroll(2 * a_count):
+                        if emulate:  # tdpbf16ps: C[m, n] += sum over pairs j of A[m, 2j + p] * B[j, n, p]
+                            for m, x, j, p in T.grid(TILE_ROWS, LANES, TILE_ROWS, PAIR):
+                                acc_tiles[t, m, x] = acc_tiles[t, m, x] + bf16_value(
+                                    a_tiles[t // 2, m, j * PAIR + p]) * bf16_value(b_tiles[t % 2, j, x, p])
+                        else:
+                            T.evaluate(_intrin("tdpbf16ps", T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
+                                               T.int8(B_TILES[0] + t % 2)))
+                for t in T.unroll(2 * a_count):
+                    if emulate:
+                        for r, x in T.grid(TILE_ROWS, LANES):
+                            c[g * block_rows + t // 2 * TILE_ROWS + r, t % 2 * LANES + x] = acc_tiles[t, r, x]
+                    else:
+                        T.evaluate(_intrin("tilestored64", T.int8(t), c.access_ptr(
+                            "w", offset=(g * block_rows + t // 2 * TILE_ROWS) * c_stride + t % 2 * LANES),
+                            T.int64(c_stride * 4)))
+            if not emulate:
+                T.evaluate(_intrin("tilerelease"))
+
+    TensorIntrin.register(name, desc, impl, override=True)
+    return name
+
+
+def tile_block_rows(rows: int, n: int, k: int) -> int | None:
+    """The rows of a block for a contraction of ``rows`` rows (its last leading dim), N and K: 32, or 16 where
+    the rows only divide by 16; None where whole tiles do not fit."""
+    if n % BLOCK or k % K_STEP:
+        return None
+    return next((r for r in (BLOCK, TILE_ROWS) if rows % r == 0), None)
+
+
+def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False) -> tirx.PrimFunc | None:
+    """The tile schedule for a kernel holding a ``bf16_gemm`` block (and fused epilogues); None where its
+    shape does not fill whole blocks (symbolic rows, rows, N or K off the block size)."""
+    sch = Schedule(func)
+    inline_elementwise(sch, sch.get_sblock("root"))
+    gemm = sch.get_sblock(GEMM_BLOCK)
+    *outer, m, n, k = sch.get_loops(gemm)
+    extents = [sch.get(x).extent for x in (m, n, k)]
+    if not all(isinstance(e, tirx.IntImm) for e in extents):
+        return None
+    m_extent, n_extent, k_extent = (int(e) for e in extents)
+    rows = tile_block_rows(m_extent, n_extent, k_extent)
+    if rows is None:
+        return None
+    groups = next(g for g in GROUPS if m_extent % (rows * g) == 0)
+    mo, mi = sch.split(m, [None, rows * groups])
+    no, ni = sch.split(n, [None, BLOCK])
+    sch.reorder(*outer, mo, no, mi, ni, k)
+    unit = sch.fuse(*outer, mo, no)
+    sch.parallel(unit)
+    acc = sch.cache_write(gemm, 0, "local")
+    sch.reverse_compute_at(acc, unit)
+    init = sch.decompose_reduction(gemm, mi)
+    sch.vectorize(sch.get_loops(init)[-1])
+    sch.tensorize(mi, amx_intrin(k_extent, groups, rows, emulate))
+    epilogue_into_tile(sch, acc, unit, LANES)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+class AmxContractions(ScheduleRule):
+    """precision="bf16" on a CPU with AMX-BF16: every bf16 contraction whose shape fills whole 32 x 32 blocks
+    over K in steps of 32 on the tile units. Others (symbolic rows, odd shapes) and the transposing
+    conversions go on to schedules.bf16 (AVX512-BF16, which every AMX CPU has)."""
+
+    name = "amx contractions"
+
+    def apply(self, kernels: dict, options) -> dict:
+        if not (options.on_cpu and options.precision == "bf16"):
+            return {}
+        if not (has_amx_bf16(options.target) or EMULATE):
+            if has_bf16_dot(options.target) and any(has_block(f, GEMM_BLOCK) for f in kernels.values()):
+                warnings.warn(f"target {options.target} has no AMX-BF16 tile units: the bf16 contractions run on "
+                              "AVX512-BF16 dot products (vdpbf16ps; same results, slower)", stacklevel=2)
+            return {}
+        return super().apply(kernels, options)
+
+    def schedule(self, func, options):
+        if not has_block(func, GEMM_BLOCK):
+            return None
+        scheduled = schedule_amx_gemm(func, emulate=EMULATE)
+        if scheduled is None:
+            return None
+        return scheduled.with_attr(FLOPS_ATTR, int(estimate_tir_flops(tvm.IRModule({"main": func}))))
+
+
+def uses_amx(mod: tvm.IRModule) -> bool:
+    """Whether a scheduled module has kernels on the tile units (its process must ask for the tile state)."""
+    return not EMULATE and any(isinstance(f, tirx.PrimFunc) and f.attrs and str(f.attrs.get(RULE_ATTR, "")) ==
+                               AmxContractions.name for _, f in mod.functions_items())

@@ -1,0 +1,173 @@
+"""schedules.amx: bf16 contractions on the AMX tile units (Sapphire Rapids).
+
+Built for the Sapphire Rapids kind on every machine and checked in the generated code (the tile configuration
+loaded by each parallel task, tile loads and tdpbf16ps, the packed weight layout). The same schedules run on any
+CPU with each tile instruction emulated by the loops it stands for (schedules.amx.EMULATE): that checks every
+tile's rows, columns and addresses, the epilogues and the packing against numpy, onnxruntime and the bf16 step
+without tiles. The instructions themselves run only where the host has AMX."""
+import re
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+
+import tvmdm
+from schedules import amx
+from schedules.pipeline import scheduled_by
+from tests.helpers.cpu_kinds import BY_NAME, asm_of
+from tvmdm.core.errors import TvmdmError
+from tvmdm.core.precision import BF16_MAX_REL_ERR
+from tvmdm.core.target import make_target
+from tvmdm.models import BertConfig, build_encoder_layer
+from tvmdm.runtime import amx as amx_runtime
+from tvmdm.transform.kernels import gemm_func
+
+# hidden and FFN whole 32-column blocks; 16 rows per sequence (one activation tile a block), 32 rows in all
+LAYER = BertConfig(hidden=96, heads=2, ffn=192, batch=2, seq=16)
+SHAPES = {"hidden_states": [2, 16, 96], "attention_mask": [2, 16]}
+SPR = BY_NAME["sapphirerapids"]
+TILE_OPS = ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease")
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(amx, "EMULATE", True)
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    u = x.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _value(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _layer_bf16(target, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the shipped logs' warnings: asserted in their own tests
+        return tvmdm.compile(build_encoder_layer(LAYER), shapes=SHAPES, target=target, precision="bf16", **options)
+
+
+def test_tile_configuration_bytes():
+    config = b"".join(w.to_bytes(8, "little") for w in amx.tile_config_words())
+    assert config[0] == 1 and not any(config[1:16])  # palette 1
+    assert [int.from_bytes(config[16 + 2 * t:18 + 2 * t], "little") for t in range(16)] == [64] * 8 + [0] * 8
+    assert list(config[48:64]) == [16] * 8 + [0] * 8  # 16 rows for tiles 0-7, the rest unused
+
+
+@pytest.mark.parametrize("lead, k, n", [((2, 64), 96, 64), ((256,), 64, 32), ((3, 16), 32, 96), ((48,), 64, 64)])
+def test_emulated_tiles_match_numpy(lead, k, n):
+    # 32-row blocks in groups of 2 / 4 / 1 (48 rows: 16-row blocks, 3 of them), 16-row blocks, leading dims
+    func = gemm_func(lead, k, n).with_attr("global_symbol", "main")
+    scheduled = amx.schedule_amx_gemm(func, emulate=True)
+    assert scheduled is not None
+    lib = tvm.compile(tvm.IRModule({"main": scheduled}), target=make_target("llvm"))
+    rng = np.random.default_rng(0)
+    x, w = _bits(rng.standard_normal(lead + (k,))), _bits(rng.standard_normal((k, n)))
+    packed = w.reshape(k // 2, 2, n // 16, 16).transpose(2, 0, 3, 1).copy()  # [N/16, K/2, 16, 2]
+    out = tvm.runtime.tensor(np.zeros(lead + (n,), np.float32))
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(packed), out)
+    ref = _value(x).astype(np.float64) @ _value(w).astype(np.float64)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_shapes_off_the_tiles_are_left_to_the_next_rule():
+    for lead, k, n in [((2, 8), 64, 64), ((32,), 48, 64), ((32,), 64, 48)]:
+        assert amx.schedule_amx_gemm(gemm_func(lead, k, n).with_attr("global_symbol", "main")) is None
+
+
+def test_sapphire_rapids_code_runs_the_contractions_on_tiles():
+    compiled = _layer_bf16(SPR.target())
+    on_tiles = scheduled_by(compiled.mod, amx.AmxContractions())
+    assert len(on_tiles) == 4, compiled.kernels  # merged QKV, output, FFN up (+ GELU), FFN down
+    assert compiled.uses_amx
+    asm = asm_of(compiled)
+    counts = {op: asm.count(op) for op in TILE_OPS}
+    assert counts["ldtilecfg"] == counts["tilerelease"] == 4 and counts["tdpbf16ps"] > 0, counts
+    assert "vdpbf16ps" not in asm  # every bf16 contraction of this layer fills whole tiles
+    for name in on_tiles:
+        script = compiled.mod[name].script()
+        # the configuration is loaded inside the parallel body: each thread's tile state is its own
+        parallel = script.index("T.parallel(")
+        assert parallel < script.index("llvm.x86.ldtilecfg") < script.index("llvm.x86.tdpbf16ps"), name
+        # the weight operand is read as packed at load: [N/16, K/2, 16, 2] bf16 bits, B tiles 64 bytes a row
+        assert re.search(r"\w+: T\.Buffer\(\(T\.int64\(\d+\), T\.int64\(\d+\), T\.int64\(16\), T\.int64\(2\)\), "
+                         r"\"uint16\"\)", script), name
+        assert "T.int64(64))" in script  # the B tiles' stride
+
+
+def test_other_kinds_warn_and_keep_their_bf16_path():
+    for kind in ("zen4", "zen4-avx2"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = tvmdm.compile(build_encoder_layer(LAYER), shapes=SHAPES, target=BY_NAME[kind].target(),
+                                     precision="bf16", tuning_logs=None)
+        messages = [str(w.message) for w in caught]
+        no_tiles = [m for m in messages if "no AMX-BF16" in m]
+        # Zen 4: one warning (AVX512-BF16 instead); AVX2: only the warning that there is no bf16 dot product
+        assert len(no_tiles) == (1 if kind == "zen4" else 0), messages
+        assert not compiled.uses_amx and "tdpbf16ps" not in asm_of(compiled)
+
+
+@pytest.mark.parametrize("fusion", ["paper", "tvm"])
+def test_emulated_layer_matches_onnxruntime(emulated, fusion):
+    compiled = _layer_bf16(make_target("llvm"), fusion=fusion, tuning_logs=None)
+    assert len(scheduled_by(compiled.mod, amx.AmxContractions())) == 4
+    assert not compiled.uses_amx  # emulated: no tile instruction, nothing to ask Linux for
+    inputs = tvmdm.random_inputs(compiled, batch=2, seq=16)
+    inputs["attention_mask"][1, 11:] = 0
+    got, ref = compiled.run(inputs), compiled.reference(inputs)
+    err = max(float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(got, ref))
+    assert 0 < err <= BF16_MAX_REL_ERR
+
+
+def test_emulated_training_step_matches_the_step_without_tiles(monkeypatch):
+    def step():
+        return tvmdm.compile_train_step(build_encoder_layer(LAYER), loss="mse", batch=2, seq=16,
+                                        tuning_logs=None, precision="bf16", fusion="tvm")
+
+    plain = step()
+    monkeypatch.setattr(amx, "EMULATE", True)
+    tiles = step()
+    # forward, input gradients and the weight gradients X^T dY (K rows of the 32 token rows) on tiles
+    assert len(scheduled_by(tiles.mod, amx.AmxContractions())) >= 10, tiles.kernels
+    feeds = tvmdm.random_inputs(plain, batch=2, seq=16)
+    batch = dict(feeds, labels=np.random.default_rng(1).standard_normal(plain.target_spec.shape).astype(np.float32))
+    (loss, grads), (loss_tiles, grads_tiles) = plain.gradients(batch), tiles.gradients(batch)
+    assert loss_tiles == pytest.approx(loss, rel=1e-5)
+    for name, grad in grads.items():
+        scale = max(float(np.abs(grad).max()), 1e-6)
+        assert float(np.abs(grads_tiles[name] - grad).max()) <= 1e-4 * scale, name
+
+
+def test_tile_state_is_asked_for_before_the_first_call(tmp_path, monkeypatch):
+    compiled = _layer_bf16(SPR.target())
+    loaded = tvmdm.load(compiled.export(tmp_path / "amx.tvmdm"))
+    assert loaded.uses_amx  # the artifact says so: a deployment process asks for the tile state too
+    inputs = tvmdm.random_inputs(compiled, batch=2, seq=16)
+    if not amx_runtime.host_has_amx():
+        with pytest.raises(TvmdmError, match="runs its contractions on AMX tiles.*this CPU has no AMX"):
+            loaded.run(inputs)  # an error, not a SIGILL
+        return
+    if SPR.cannot_run_here():
+        pytest.skip(SPR.cannot_run_here())
+    np.testing.assert_allclose(loaded.run(inputs)[0], compiled.reference(inputs)[0], atol=3e-2, rtol=3e-2)
+
+
+def test_a_cpu_without_amx_is_told_so(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu avx avx2 avx512f avx512_bf16\n")
+    monkeypatch.setenv("TVMDM_CPUINFO", str(cpuinfo))
+    assert not amx_runtime.host_has_amx()
+    amx_runtime.prepare(False)  # a module without tile kernels asks for nothing
+    with pytest.raises(TvmdmError, match="compile it again on this machine"):
+        amx_runtime.prepare(True)
+
+
+def test_tile_state_request_where_the_host_has_amx():
+    if not amx_runtime.host_has_amx():
+        pytest.skip("this CPU has no AMX: Linux would refuse the tile state (tested where it has)")
+    amx_runtime.request_tile_state()  # no error; asking twice is asking once
+    amx_runtime.request_tile_state()
