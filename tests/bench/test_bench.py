@@ -229,3 +229,14 @@ def test_plot_titles_are_plain_words_and_the_axis_is_logarithmic(tmp_path, monke
     monkeypatch.setattr(matplotlib.axes.Axes, "set_xscale", lambda ax, value, **k: scales.append(value))
     path = plot.plot_bench(result, str(tmp_path / "p.png"))
     assert scales == ["log"] and open(path, "rb").read(4) == b"\x89PNG"
+
+
+def test_bf16_bench_on_a_cpu_compares_against_pytorch_bf16_autocast(tmp_path):
+    # on a bf16 CPU the user's alternative is oneDNN under torch.autocast: eager and torch.compile, in bf16
+    pytest.importorskip("torch")
+    from tvmdm.bench.inference import _torch_jobs
+
+    jobs, _ = _torch_jobs("bert-tiny-layer", "m.onnx", 2, torch_compile=True, gpu=False, precisions=("fp32", "bf16"))
+    assert list(jobs) == ["torch-eager", "torch-compile", "torch-eager[bf16]", "torch-compile[bf16]"]
+    assert jobs["torch-compile[bf16]"].spec["precision"] == "bf16" and jobs["torch-compile[bf16]"].spec["compile"]
+    assert "torch-eager[bf16]" not in _torch_jobs("bert-tiny-layer", "m.onnx", 2, True, False)[0]

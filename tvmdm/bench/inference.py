@@ -138,7 +138,8 @@ def bert_optimized(proto, cfg):
         return optimize_model(path, model_type="bert", num_heads=heads, hidden_size=hidden).model
 
 
-def _torch_jobs(model_name, model_path, threads, torch_compile: bool, gpu: bool) -> tuple[dict, dict]:
+def _torch_jobs(model_name, model_path, threads, torch_compile: bool, gpu: bool,
+                precisions=("fp32",)) -> tuple[dict, dict]:
     import importlib.util
 
     from tvmdm import models
@@ -155,6 +156,10 @@ def _torch_jobs(model_name, model_path, threads, torch_compile: bool, gpu: bool)
     jobs, skipped = {"torch-eager": job()}, {}
     if torch_compile:
         jobs["torch-compile"] = job(compile=True)
+    if "bf16" in precisions and not gpu:  # what a user of a bf16 CPU (AMX, AVX512-BF16) runs: oneDNN under autocast
+        jobs["torch-eager[bf16]"] = job(precision="bf16")
+        if torch_compile:
+            jobs["torch-compile[bf16]"] = job(compile=True, precision="bf16")
     if gpu:
         import torch
 
@@ -198,7 +203,8 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
         model_path = ort_jobs["onnxruntime"].spec["model"]
         tvm_jobs = {name: Job("tvmdm", {"artifact": c.export(os.path.join(tmp, f"tvmdm{i}.tvmdm"))})
                     for i, (name, c) in enumerate(compiled.items())}
-        torch_jobs, torch_skipped = _torch_jobs(model, model_path, threads, torch_compile, gpu) if torch else ({}, {})
+        torch_jobs, torch_skipped = (_torch_jobs(model, model_path, threads, torch_compile, gpu, precisions)
+                                     if torch else ({}, {}))
         skipped.update(torch_skipped)
         jobs = {**ort_jobs, **tvm_jobs, **torch_jobs}
         reference = ort_session(proto, threads).run(first.output_names, feeds)

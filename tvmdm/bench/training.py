@@ -74,6 +74,8 @@ def training_jobs(model: str, proto, batch: int, seq: int, tmp: str, *, target: 
         jobs["torch-eager[bf16]"] = torch_job(autocast="bf16")
     if torch_compile:
         jobs["torch-compile"] = torch_job(compile=True)
+        if "bf16" in reduced:
+            jobs["torch-compile[bf16]"] = torch_job(compile=True, autocast="bf16")
     if target.startswith("cuda"):  # the step on the GPU too: fp32, and AMP (fp16 autocast + GradScaler)
         import torch as torch_mod
 
