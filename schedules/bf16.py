@@ -72,31 +72,47 @@ def _divisor(n: int, choices) -> int:
 def schedule_bf16_gemm(func: tirx.PrimFunc, rows: int | None = None, vectors: int | None = None) -> tirx.PrimFunc:
     """The micro-kernel schedule for a kernel holding a ``bf16_gemm`` block (and fused epilogues).
     ``rows`` x ``vectors`` x 16 accumulators per tile (default: 4 x 4, or what divides the shape)."""
+    return schedule_dot_gemm(func, GEMM_BLOCK, INTRIN, DPBF16PS_LLVM, PAIR, K_BLOCK, rows, vectors)
+
+
+def schedule_dot_gemm(func: tirx.PrimFunc, block: str, intrin: str, llvm_ir: str, group: int, k_block: int,
+                      rows: int | None = None, vectors: int | None = None) -> tirx.PrimFunc:
+    """The register-tiled micro-kernel on a 16-lane dot-product instruction (the tensor intrinsic ``intrin``:
+    16 accumulators += ``group`` values of one activation row, broadcast, times a packed [16, group] weight
+    tile; its LLVM function ``llvm_ir`` linked in) for the kernel's contraction block ``block`` over packed
+    weights. ``rows`` x ``vectors`` x 16 accumulators per tile (default: 4 x 4, or what divides the shape);
+    K in blocks of ``k_block``. Symbolic rows come in whole tiles (tvmdm.transform.kernels.row_tiles)."""
     sch = Schedule(func)
     # The element-wise blocks between the contraction and the outputs (bias add, GELU's pieces) are inlined
     # into their readers: one epilogue expression per output.
     inline_elementwise(sch, sch.get_sblock("root"))
-    gemm = sch.get_sblock(GEMM_BLOCK)
+    gemm = sch.get_sblock(block)
     # Tiles of `rows` consecutive rows of the last leading axis (fusing the leading axes first would give
     # bindings that tensorize cannot blockize).
     *outer, m, n, k = sch.get_loops(gemm)
-    m_extent, n_extent, k_extent = (int(sch.get(x).extent) for x in (m, n, k))
-    rows = rows or _divisor(m_extent, (4, 8, 6, 2, 1))
+    static_rows = isinstance(sch.get(m).extent, tirx.IntImm)
+    n_extent, k_extent = (int(sch.get(x).extent) for x in (n, k))
+    # symbolic rows: row_tiles padded them to whole tiles of ROW_PAD, which 4 divides
+    rows = rows or (_divisor(int(sch.get(m).extent), (4, 8, 6, 2, 1)) if static_rows else 4)
     vectors = vectors or _divisor(n_extent // LANES, (4, 3, 2, 1))
-    k_block = K_BLOCK if k_extent % K_BLOCK == 0 else k_extent
+    k_block = k_block if k_extent % k_block == 0 else k_extent
     mo, mi = sch.split(m, [None, rows])
     no, nv, ni = sch.split(n, [None, vectors, LANES])
-    ko, kp, ki = sch.split(k, [None, k_block // PAIR, PAIR])
+    ko, kp, ki = sch.split(k, [None, k_block // group, group])
     sch.reorder(no, *outer, mo, ko, kp, mi, nv, ni, ki)
     tile = sch.fuse(no, *outer, mo)
     sch.parallel(tile)
-    acc = sch.cache_write(gemm, 0, "local")
-    sch.reverse_compute_at(acc, tile)
+    if static_rows:
+        acc = sch.cache_write(gemm, 0, "local")
+        sch.reverse_compute_at(acc, tile)
+    else:  # the whole tiles are already an intermediate, copied out per tile (guarded)
+        acc = gemm
+        sch.set_scope(gemm, 0, "local")
     init = sch.decompose_reduction(gemm, ko)
     sch.unroll(mi)
     sch.unroll(nv)
-    sch.tensorize(ni, INTRIN)
-    sch.annotate(tile, "pragma_import_llvm", DPBF16PS_LLVM)
+    sch.tensorize(ni, intrin)
+    sch.annotate(tile, "pragma_import_llvm", llvm_ir)
     sch.vectorize(sch.get_loops(init)[-1])
     epilogue_into_tile(sch, acc, tile, LANES)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)

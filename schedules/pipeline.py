@@ -4,13 +4,14 @@ Each rule schedules the kernels it knows and returns nothing for the others; a k
 that takes it. The order says which schedule wins where several could:
 
   1-2  column reductions, transposes: by hand; MetaSchedule's CPU space finds nothing as good;
-  3-5  packed fp32 and bf16 contractions: the kernels the precision rewrites made for our micro-kernels
-       (bf16 on the AMX tiles where the CPU has them and the shape fills whole tiles, else AVX512-BF16);
-  6    tuning records, when they were tuned on this CPU model (``Options.records_first``);
-  7-8  the paper's attention kernels and row-wise normalizations, by hand;
-  9    tuning records otherwise (tuned on another CPU model: 5.5 ms for SM from the Zen 4 log on a Sapphire
+  3-6  packed fp32, int8 and bf16 contractions: the kernels the precision and quantization rewrites made for
+       our micro-kernels (int8 on vpdpbusd; bf16 on the AMX tiles where the CPU has them and the shape fills
+       whole tiles, else AVX512-BF16);
+  7    tuning records, when they were tuned on this CPU model (``Options.records_first``);
+  8-9  the paper's attention kernels and row-wise normalizations, by hand;
+  10   tuning records otherwise (tuned on another CPU model: 5.5 ms for SM from the Zen 4 log on a Sapphire
        Rapids VM against 1.5 ms by hand, so they only fill in);
-  10   the default schedule, for every kernel left.
+  11   the default schedule, for every kernel left.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from schedules.amx import AmxContractions
 from schedules.attention import AttentionKernels
 from schedules.bf16 import Bf16Contractions
 from schedules.default import DefaultSchedule
+from schedules.int8 import Int8Contractions
 from schedules.logs import TuningRecords
 from schedules.packed import PackedContractions
 from schedules.reductions import ColumnReductions
@@ -32,6 +34,7 @@ SCHEDULE_RULES = (
     ColumnReductions(),
     Transposes(),
     PackedContractions(),
+    Int8Contractions(),
     AmxContractions(),
     Bf16Contractions(),
     TuningRecords(first=True),

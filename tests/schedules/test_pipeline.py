@@ -49,8 +49,9 @@ def test_the_default_rule_takes_what_no_rule_took():
 
 def test_declared_order_records_before_hand_written_attention_only_when_tuned_here():
     names = [rule.name for rule in SCHEDULE_RULES]
-    assert names == ["column reductions", "transposes", "packed contractions", "bf16 contractions", "tuning records",
-                     "attention", "row normalizations", "tuning records", "default"]
+    assert names == ["column reductions", "transposes", "packed contractions", "int8 contractions", "amx contractions",
+                     "bf16 contractions", "tuning records", "attention", "row normalizations", "tuning records",
+                     "default"]
     early, late = (r for r in SCHEDULE_RULES if isinstance(r, TuningRecords))
     target = tvm.target.Target({"kind": "llvm"})
     tuned_here = Options(target, tuning_logs=("logs",))  # contractions not packed: the records were tuned here

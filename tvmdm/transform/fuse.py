@@ -30,6 +30,7 @@ from tvmdm.transform.ir import op_name
 from tvmdm.transform.patterns import (FORWARD_KERNELS, inline_pattern_kernels, name_paper_kernels, paper_patterns,
                                       record_read_fractions)
 from tvmdm.transform.precision import precision_passes
+from tvmdm.transform.quantized import int8_contractions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,7 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     # inference: gathers clipped into their tables and checked in the module (a training graph clips its indices
     # before its gradient: tvmdm.train.step)
     passes = [guard_gathers()] if not options.training else []
+    passes.append(int8_contractions())  # quantized models' integer matmuls (nothing to do in others)
     passes += [paper_graph_rewrites(options.layout)] if paper else []
     passes += list(training.before_precision)
     passes += precision_passes(options.precision, training=options.training, target_kind=options.target_kind,

@@ -124,27 +124,40 @@ def gemm_func(lead, k: int, n: int, batch: int = 0, packing: Packing = BF16) -> 
     a = te.placeholder(lead + int64_dims((k,)), packing.dtype, name="a")
     w = te.placeholder(lead[:batch] + int64_dims(packed_shape(k, n, packing)), packing.dtype, name="w")
     r = te.reduce_axis((tirx.IntImm("int64", 0), tirx.IntImm("int64", k)), name="k")
-    rows = lead[-1]
-    symbolic = not isinstance(rows, tirx.IntImm)
 
     def element(*idx):
         *lead_idx, col = idx
-        a_idx = lead_idx[:-1] + [tirx.min(lead_idx[-1], rows - 1)] if symbolic else lead_idx
-        return te.sum(decode(a(*a_idx, r)) * decode(w(*lead_idx[:batch], col // lanes, r // pair, col % lanes,
-                                                      r % pair)), axis=r)
+        return te.sum(decode(a(*clamped_rows(lead_idx, lead), r)) *
+                      decode(w(*lead_idx[:batch], col // lanes, r // pair, col % lanes, r % pair)), axis=r)
 
-    if symbolic:
-        # Symbolic rows (one module for every seq): the contraction runs over whole tiles of ROW_PAD rows, the
-        # rows past the end re-reading the last one, into a buffer the schedule keeps in registers; only the
-        # copy out is guarded. A predicated tile instead made the accumulators a heap buffer of symbolic size
-        # (3x slower, BERT-base FFN).
-        padded = (rows + ROW_PAD - 1) // ROW_PAD * ROW_PAD
-        tiles = te.compute(lead[:-1] + (padded,) + int64_dims((n,)), element, name=packing.block)
-        out = te.compute(lead + int64_dims((n,)), lambda *idx: tiles(*idx), name=packing.block + "_rows")
-    else:
-        out = te.compute(lead + int64_dims((n,)), element, name=packing.block)
+    out = row_tiles(lead, n, element, packing.block)
     # A contraction with element-wise epilogues: FuseOps may fuse bias / GELU / residual after it.
     return private_func(te.create_prim_func([a, w, out])).with_attr("op_pattern", 4)
+
+
+def clamped_rows(lead_idx, lead) -> list:
+    """The activation index of a row of ``row_tiles``: past the last row of symbolic rows, the last row again."""
+    rows = lead[-1]
+    return list(lead_idx) if isinstance(rows, tirx.IntImm) else list(lead_idx[:-1]) + [tirx.min(lead_idx[-1], rows - 1)]
+
+
+def row_tiles(lead, n: int, element, name: str, rows_name: str | None = None, finish=lambda tiles, idx: tiles(*idx)):
+    """C[lead..., N] = ``element(*idx)`` (a contraction reading its rows through clamped_rows), block ``name``;
+    ``finish(tiles, idx)`` computes each output from the contraction (the copy out, or an epilogue of the kernel's
+    own) in block ``rows_name`` (default: none for static rows, ``name`` + "_rows" for symbolic rows).
+
+    Symbolic rows (one module for every seq): the contraction runs over whole tiles of ROW_PAD rows, the rows
+    past the end re-reading the last one, into a buffer the schedule keeps in registers; only the copy out is
+    guarded. A predicated tile instead made the accumulators a heap buffer of symbolic size (3x slower,
+    BERT-base FFN)."""
+    rows = lead[-1]
+    if isinstance(rows, tirx.IntImm):
+        tiles = te.compute(lead + int64_dims((n,)), element, name=name)
+        return tiles if rows_name is None else te.compute(tiles.shape, lambda *idx: finish(tiles, idx),
+                                                          name=rows_name)
+    padded = (rows + ROW_PAD - 1) // ROW_PAD * ROW_PAD
+    tiles = te.compute(lead[:-1] + (padded,) + int64_dims((n,)), element, name=name)
+    return te.compute(lead + int64_dims((n,)), lambda *idx: finish(tiles, idx), name=rows_name or name + "_rows")
 
 
 def transposed_rows_func(shape, packing: Packing = BF16) -> tirx.PrimFunc:
