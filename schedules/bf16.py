@@ -109,12 +109,13 @@ def schedule_dot_gemm(func: tirx.PrimFunc, block: str, intrin: str, llvm_ir: str
         acc = gemm
         sch.set_scope(gemm, 0, "local")
     init = sch.decompose_reduction(gemm, ko)
+    # before tensorize, which replaces the contraction's block (the accumulators' block for symbolic rows)
+    epilogue_into_tile(sch, acc, tile, LANES)
     sch.unroll(mi)
     sch.unroll(nv)
     sch.tensorize(ni, intrin)
     sch.annotate(tile, "pragma_import_llvm", llvm_ir)
     sch.vectorize(sch.get_loops(init)[-1])
-    epilogue_into_tile(sch, acc, tile, LANES)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 

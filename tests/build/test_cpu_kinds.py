@@ -5,12 +5,15 @@ against onnxruntime where this machine can run that kind's code."""
 import re
 import warnings
 
+import numpy as np
 import pytest
 
 import tvmdm
 from tests.helpers.cpu_kinds import KINDS, asm_of
+from tests.helpers.quantized import int8_matmul_model
 from schedules.logs import shipped_logs
 from schedules.bf16 import has_bf16_dot
+from schedules.int8 import has_int8_dot
 from schedules.database import TuningLogWarning
 from tvmdm.build.options import packed_lanes
 from tvmdm.models import BertConfig, build_encoder_layer
@@ -62,6 +65,7 @@ def test_target_of_each_kind(kind):
     target = kind.target()
     assert vector_lanes(target) == kind.lanes
     assert has_bf16_dot(target) == kind.bf16_dot
+    assert has_int8_dot(target) == kind.int8_dot
     logs = shipped_logs(target)
     assert bool(logs) == kind.logs_apply
     # packed fp32 contractions where no shipped log was tuned on this CPU model, panels of 3 vectors
@@ -122,6 +126,23 @@ def test_bf16_code_of_each_kind(kind):
     assert ("vdpbf16ps" in asm) == (kind.bf16_dot and not kind.amx)
     assert ("tdpbf16ps" in asm) == kind.amx
     assert any("no AMX-BF16" in str(w.message) for w in caught) == (kind.bf16_dot and not kind.amx)
+
+
+def test_int8_code_of_each_kind_and_its_numbers_where_this_machine_can_run_it(kind):
+    # a quantized model's contractions on vpdpbusd where the kind has AVX512-VNNI, else widened (with a warning)
+    model = int8_matmul_model(64, 48)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = tvmdm.compile(model, shapes={"x": [2, 16, 64]}, target=kind.target(), tuning_logs=None)
+    assert any("no AVX512-VNNI" in str(w.message) for w in caught) != kind.int8_dot
+    assert [k for k in compiled.hand_kernels if "int8_gemm" in k]
+    assert ("vpdpbusd" in asm_of(compiled)) == kind.int8_dot
+    reason = kind.cannot_run_here()
+    if reason:
+        pytest.skip(reason)
+    x = {"x": np.random.default_rng(0).standard_normal((2, 16, 64)).astype(np.float32)}
+    result = compiled.check(x, atol=1e-5, rtol=1e-5)
+    assert result.ok, str(result)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

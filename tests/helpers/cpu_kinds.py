@@ -28,6 +28,7 @@ class CpuKind:
     lanes: int  # fp32 lanes of its vector registers
     bf16_dot: bool  # AVX512-BF16's vdpbf16ps
     amx: bool  # AMX-BF16's tile units (tdpbf16ps)
+    int8_dot: bool  # AVX512-VNNI's vpdpbusd
     logs_apply: bool  # the shipped logs (tuned on a Zen 4 with AVX-512) fit its vector width
     packed: bool  # fp32 contractions take schedules.packed (no shipped log tuned on this CPU model)
 
@@ -42,11 +43,11 @@ class CpuKind:
 
 
 KINDS = [
-    CpuKind("zen4", "znver4", lanes=16, bf16_dot=True, amx=False, logs_apply=True, packed=False),
+    CpuKind("zen4", "znver4", lanes=16, bf16_dot=True, amx=False, int8_dot=True, logs_apply=True, packed=False),
     # the same Zen 4 with AVX-512 hidden by its VM: LLVM still says znver4
-    CpuKind("zen4-avx2", "znver4", lanes=8, bf16_dot=False, amx=False, logs_apply=False, packed=True),
+    CpuKind("zen4-avx2", "znver4", lanes=8, bf16_dot=False, amx=False, int8_dot=False, logs_apply=False, packed=True),
     # "Intel Xeon Processor (SapphireRapids)": rocketlake to LLVM (no AVX512-BF16 or AMX in its model)
-    CpuKind("sapphirerapids", "rocketlake", lanes=16, bf16_dot=True, amx=True, logs_apply=True, packed=True),
+    CpuKind("sapphirerapids", "rocketlake", lanes=16, bf16_dot=True, amx=True, int8_dot=True, logs_apply=True, packed=True),
 ]
 BY_NAME = {kind.name: kind for kind in KINDS}
 

@@ -1,0 +1,39 @@
+"""Small quantized ONNX models as onnxruntime's dynamic quantization writes them (DynamicQuantizeLinear, then
+MatMulInteger against an int8 initializer, the scale multiply and a bias), and their tiny HF twins."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def int8_matmul_model(k: int, n: int, w_zero_point: int = 0, seed: int = 0) -> onnx.ModelProto:
+    """y [batch, seq, n] = dequantize(MatMulInteger(DynamicQuantizeLinear(x), W)) + bias, x [batch, seq, k]."""
+    rng = np.random.default_rng(seed)
+    weight = rng.integers(-127, 128, size=(k, n)).astype(np.int8)
+    inits = [numpy_helper.from_array(weight, "W"),
+             numpy_helper.from_array(np.array(w_zero_point, np.int8), "W_zero_point"),
+             numpy_helper.from_array(np.array(0.004, np.float32), "W_scale"),
+             numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "bias")]
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["x_q", "x_scale", "x_zero_point"]),
+             helper.make_node("MatMulInteger", ["x_q", "W", "x_zero_point", "W_zero_point"], ["acc"]),
+             helper.make_node("Cast", ["acc"], ["acc_f"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["x_scale", "W_scale"], ["scale"]),
+             helper.make_node("Mul", ["acc_f", "scale"], ["product"]),
+             helper.make_node("Add", ["product", "bias"], ["y"])]
+    graph = helper.make_graph(nodes, "int8_matmul",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def quantized_export(hf_export, tmp_path, family: str = "bert") -> str:
+    """The tiny HF export of ``family`` through onnxruntime's quantize_dynamic (QInt8 weights)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    path = str(tmp_path / f"{family}-int8.onnx")
+    quantize_dynamic(hf_export(family), path, weight_type=QuantType.QInt8)
+    return path

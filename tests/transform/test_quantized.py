@@ -1,0 +1,92 @@
+"""int8 contractions of quantized models (tvmdm.transform.quantized, schedules.int8) and the whole-tensor max /
+min rewrite (tvmdm.transform.row_reductions), against onnxruntime on the same files."""
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tvm
+from tvm import relax
+
+import tvmdm
+from tests.helpers.quantized import int8_matmul_model, quantized_export
+from tvmdm.models import hf_export as hf_exports
+from tvmdm.transform.row_reductions import rows_then_whole
+
+
+def _int8_kernels(compiled) -> list[str]:
+    return [k for k in compiled.hand_kernels if "int8_gemm" in k]
+
+
+def _onnxruntime(model, feeds):
+    return ort.InferenceSession(model.SerializeToString() if not isinstance(model, str) else model,
+                                providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _compile(model, **kwargs):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*AVX512-VNNI")  # asserted in tests/build/test_cpu_kinds.py
+        return tvmdm.compile(model, **kwargs)
+
+
+@pytest.mark.parametrize("k, n, w_zero_point, rewritten", [
+    (64, 48, 0, True),
+    (64, 40, 0, False),  # N not whole 16-column panels: the frontend's generic int32 matmul
+    (62, 48, 0, False),  # K not whole quads
+    (64, 48, 3, False),  # a weight zero point (quantize_dynamic's int8 weights have none)
+])
+def test_matmul_integer_matches_onnxruntime_and_takes_the_int8_kernel_where_it_fits(k, n, w_zero_point, rewritten):
+    model = int8_matmul_model(k, n, w_zero_point)
+    x = np.random.default_rng(1).standard_normal((2, 12, k)).astype(np.float32)
+    compiled = _compile(model, shapes={"x": [2, 12, k]}, tuning_logs=None)
+    assert bool(_int8_kernels(compiled)) == rewritten
+    (expected,) = _onnxruntime(model, {"x": x})
+    # the same integers and the same scale: only the fp32 epilogue's rounding differs
+    np.testing.assert_allclose(compiled.run({"x": x})[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_symbolic_rows_take_whole_tiles_and_match_at_every_length():
+    model = int8_matmul_model(64, 32)
+    compiled = _compile(model, tuning_logs=None)  # batch and seq symbolic
+    assert _int8_kernels(compiled)
+    for batch, seq in [(1, 1), (3, 13), (2, 64)]:
+        x = np.random.default_rng(seq).standard_normal((batch, seq, 64)).astype(np.float32)
+        (expected,) = _onnxruntime(model, {"x": x})
+        np.testing.assert_allclose(compiled.run({"x": x})[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("symbolic", [False, True], ids=["bound", "symbolic"])
+def test_quantize_dynamic_bert_export_matches_onnxruntime(hf_export, tmp_path, symbolic):
+    path = quantized_export(hf_export, tmp_path)
+    feeds = hf_exports.sample_inputs("bert", batch=2, seq=8)
+    shapes = None if symbolic else {name: list(v.shape) for name, v in feeds.items()}
+    compiled = _compile(path, shapes=shapes)
+    matmul_integers = sum(node.op_type == "MatMulInteger" for node in __import__("onnx").load(path).graph.node)
+    assert len(_int8_kernels(compiled)) == matmul_integers == 13  # 6 per layer and the pooler: every one
+    expected = _onnxruntime(path, feeds)
+    for got, want in zip(compiled.run(feeds), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def _max_min_module(shape):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.subtract(bb.emit(relax.op.max(x)), bb.emit(relax.op.min(x))))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_whole_tensor_max_and_min_reduce_rows_first_with_the_same_results():
+    mod = _max_min_module((4, 6, 32))
+    rewritten = rows_then_whole()(mod)
+    script = rewritten["main"].script()
+    assert script.count("axis=[-1]") == 2 and script.count("R.max(") == 2 and script.count("R.min(") == 2
+    x = np.random.default_rng(0).standard_normal((4, 6, 32)).astype(np.float32)
+    results = []
+    for m in (mod, rewritten):
+        vm = relax.VirtualMachine(relax.build(m, target="llvm"), tvm.cpu())
+        results.append(vm["main"](tvm.runtime.tensor(x)).numpy())
+    assert results[0] == results[1] == x.max() - x.min()
+    assert rows_then_whole()(_max_min_module((32,)))["main"].script().count("axis=[-1]") == 0  # rank 1: as it is
