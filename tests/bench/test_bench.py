@@ -240,3 +240,41 @@ def test_bf16_bench_on_a_cpu_compares_against_pytorch_bf16_autocast(tmp_path):
     assert list(jobs) == ["torch-eager", "torch-compile", "torch-eager[bf16]", "torch-compile[bf16]"]
     assert jobs["torch-compile[bf16]"].spec["precision"] == "bf16" and jobs["torch-compile[bf16]"].spec["compile"]
     assert "torch-eager[bf16]" not in _torch_jobs("bert-tiny-layer", "m.onnx", 2, True, False)[0]
+
+
+def test_int8_bench_runs_the_quantized_file_in_tvmdm_onnxruntime_and_pytorch_dynamic_quantization(tiny_layer):
+    pytest.importorskip("torch")
+    from tvmdm.bench.inference import compare_systems
+    from tvmdm.bench.quantized import is_quantized, quantize_dynamic
+
+    assert is_quantized(quantize_dynamic(tiny_layer)) and not is_quantized(tiny_layer)
+    shapes = {"hidden_states": [2, 8, 32], "attention_mask": [2, 8]}
+    result = compare_systems("bert-tiny-layer", tiny_layer, shapes, precisions=("fp32", "int8"), ort_optimized=False,
+                             torch_compile=False, min_runs=2, max_seconds=1, out=lambda line: None)
+    names = [t.system for t in result["timings"]]
+    assert names == ["onnxruntime", "onnxruntime[int8]", "tvmdm", "tvmdm[int8]", "torch-eager", "torch-eager[int8]"]
+    assert [k for k in result["compiled"]["tvmdm[int8]"].hand_kernels if "int8_gemm" in k]
+    # each was checked against onnxruntime fp32 to INT8_MAX_REL_ERR (run_jobs raises otherwise); each differs
+    # from it, as int8 does
+    for name in ("onnxruntime[int8]", "tvmdm[int8]", "torch-eager[int8]"):
+        assert result["agreement"][name] > 1e-5, name
+
+
+def test_a_quantized_file_is_benchmarked_as_it_is_and_int8_training_is_refused(tmp_path):
+    import onnx
+
+    from tests.helpers.quantized import int8_matmul_model
+    from tvmdm.bench.inference import compare_systems
+    from tvmdm.bench.quantized import quantize_dynamic
+    from tvmdm.bench.training import training_jobs
+
+    model = int8_matmul_model(64, 48)
+    assert quantize_dynamic(model) is model
+    path = str(tmp_path / "int8.onnx")
+    onnx.save(model, path)
+    result = compare_systems(path, model, {"x": [2, 16, 64]}, precisions=("fp32",), ort_optimized=False,
+                             torch=False, min_runs=2, max_seconds=1, out=lambda line: None)
+    assert [t.system for t in result["timings"]] == ["onnxruntime", "tvmdm"]
+    assert result["agreement"]["tvmdm"] < 1e-4  # the same integers as onnxruntime
+    with pytest.raises(tvmdm.TvmdmError, match="int8 is for inference"):
+        training_jobs("bert-tiny-layer", model, 2, 8, str(tmp_path), precisions=("fp32", "int8"))

@@ -17,9 +17,11 @@ from typing import Callable
 import numpy as np
 
 from tvmdm.bench.isolated import Job, run_jobs
+from tvmdm.bench.quantized import is_quantized, quantize_dynamic
 from tvmdm.bench.timing import check_agreement, time_until_stable
 from tvmdm.core.errors import TvmdmError
 from tvmdm.core.options import DEFAULT_FUSION
+from tvmdm.core.precision import INT8_SAME_FILE_REL_ERR
 
 Runner = Callable[[dict], list]
 
@@ -71,7 +73,7 @@ def matmul_flops(proto, shapes: dict) -> int | None:
     return total
 
 
-def _tvmdm_systems(proto, shapes, target, fusion_levels, untuned, tuning_logs, precisions=()) -> dict:
+def _tvmdm_systems(proto, shapes, target, fusion_levels, untuned, tuning_logs, precisions=(), int8=None) -> dict:
     import tvmdm
 
     systems = {}
@@ -79,7 +81,10 @@ def _tvmdm_systems(proto, shapes, target, fusion_levels, untuned, tuning_logs, p
         name = "tvmdm" if level == fusion_levels[0] else f"tvmdm[fusion={level}]"
         systems[name] = tvmdm.compile(proto, target=target, shapes=shapes, fusion=level, tuning_logs=tuning_logs)
     for precision in precisions:
-        if precision != "fp32":
+        if precision == "int8":  # the quantized file (tvmdm.bench.quantized)
+            systems["tvmdm[int8]"] = tvmdm.compile(int8, target=target, shapes=shapes, fusion=fusion_levels[0],
+                                                   tuning_logs=tuning_logs)
+        elif precision != "fp32":
             systems[f"tvmdm[{precision}]"] = tvmdm.compile(proto, target=target, shapes=shapes, fusion=fusion_levels[0],
                                                            tuning_logs=tuning_logs, precision=precision)
     if untuned:
@@ -92,8 +97,10 @@ def ort_runner(session, names) -> Runner:
     return lambda feeds: session.run(names, feeds)
 
 
-def _onnxruntime_jobs(proto, model_name, threads, gpu: bool, optimized: bool, tmp: str) -> tuple[dict, dict]:
-    """onnxruntime as shipped, and after onnxruntime.transformers' BERT optimizer (its strongest CPU setup)."""
+def _onnxruntime_jobs(proto, model_name, threads, gpu: bool, optimized: bool, tmp: str,
+                      int8=None) -> tuple[dict, dict]:
+    """onnxruntime as shipped, and after onnxruntime.transformers' BERT optimizer (its strongest CPU setup);
+    ``int8``: also on that quantized file."""
     import onnx
     import onnxruntime as ort
 
@@ -105,6 +112,8 @@ def _onnxruntime_jobs(proto, model_name, threads, gpu: bool, optimized: bool, tm
         return Job("onnxruntime", {"model": path, "threads": threads, "providers": list(providers)})
 
     jobs, skipped = {"onnxruntime": job(proto)}, {}
+    if int8 is not None and not gpu:
+        jobs["onnxruntime[int8]"] = job(int8)
     if optimized:
         try:
             jobs["onnxruntime-bert-opt"] = job(bert_optimized(proto, models.DEFAULT_MODELS.get(model_name,
@@ -156,6 +165,8 @@ def _torch_jobs(model_name, model_path, threads, torch_compile: bool, gpu: bool,
     jobs, skipped = {"torch-eager": job()}, {}
     if torch_compile:
         jobs["torch-compile"] = job(compile=True)
+    if "int8" in precisions and not gpu:  # PyTorch's dynamic quantization of the twin's nn.Linear layers
+        jobs["torch-eager[int8]"] = job(precision="int8")
     if "bf16" in precisions and not gpu:  # what a user of a bf16 CPU (AMX, AVX512-BF16) runs: oneDNN under autocast
         jobs["torch-eager[bf16]"] = job(precision="bf16")
         if torch_compile:
@@ -193,13 +204,14 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
 
     threads = num_cores()
     gpu = target.startswith("cuda")
-    compiled = _tvmdm_systems(proto, shapes, target, list(fusion_levels), untuned, tuning_logs, precisions)
+    int8 = quantize_dynamic(proto) if "int8" in precisions else None
+    compiled = _tvmdm_systems(proto, shapes, target, list(fusion_levels), untuned, tuning_logs, precisions, int8)
     first = next(iter(compiled.values()))
     measured = measure_kernels(first) if kernels and target == "llvm" else None
     feeds = tvmdm.random_inputs(first, batch=1, seq=1, dims=_dims(first, shapes))
     with tempfile.TemporaryDirectory(prefix="tvmdm-bench-") as tmp:
         # each system checked and timed in a process of its own (tvmdm.bench.isolated)
-        ort_jobs, skipped = _onnxruntime_jobs(proto, model, threads, gpu, ort_optimized, tmp)
+        ort_jobs, skipped = _onnxruntime_jobs(proto, model, threads, gpu, ort_optimized, tmp, int8)
         model_path = ort_jobs["onnxruntime"].spec["model"]
         tvm_jobs = {name: Job("tvmdm", {"artifact": c.export(os.path.join(tmp, f"tvmdm{i}.tvmdm"))})
                     for i, (name, c) in enumerate(compiled.items())}
@@ -211,8 +223,10 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
         flops = matmul_flops(proto, shapes)
         for name in jobs:
             out(f"  checking and timing {name} (a process of its own) ...")
-        results = run_jobs(jobs, feeds, reference, min_runs=min_runs, max_seconds=max_seconds,
-                           relative=reduced_precision_bounds(jobs))
+        # a quantized file: every system against onnxruntime on it, to within a quantization step
+        relative = {name: INT8_SAME_FILE_REL_ERR for name in jobs} if is_quantized(proto) else \
+            reduced_precision_bounds(jobs)
+        results = run_jobs(jobs, feeds, reference, min_runs=min_runs, max_seconds=max_seconds, relative=relative)
     agreement = {name: r["max_abs_err"] for name, r in results.items()}
     timings = [summarize(name, results[name]["seconds"], flops) for name in jobs]
     for t in timings:

@@ -305,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fusion", default=DEFAULT_FUSION, help="comma-separated fusion levels to time (first is 'tvmdm')")
     p.add_argument("--untuned", action="store_true", help="also time tvmdm without tuning logs")
     p.add_argument("--precision", default="fp32", help="comma-separated precisions; each besides fp32 adds a "
-                   "system (tvmdm[bf16]: bf16 contractions, checked to 1e-2 relative error)")
+                   "system (tvmdm[bf16]: bf16 contractions, checked to 1e-2 relative error; int8: the model through "
+                   "onnxruntime's quantize_dynamic, run by tvmdm, onnxruntime and PyTorch's dynamic quantization, "
+                   "checked to 1e-1)")
     p.add_argument("--train", action="store_true", help="time one training step (forward, loss, backward, AdamW) "
                    "against PyTorch eager and torch.compile instead of inference")
     p.add_argument("--min-runs", type=_positive_int, default=5, help="timed runs per round; rounds go on until the median "

@@ -42,17 +42,31 @@ def _load_onnx_weights(module, proto, prefix: str) -> None:
     module.load_state_dict(state)
 
 
+def torch_dynamic_quantized(module):
+    """``module`` with every nn.Linear on int8 weights and dynamically quantized activations (PyTorch's
+    dynamic quantization, what its users run for int8 BERT on CPUs)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notes (it moves to torchao)
+        return torch.ao.quantization.quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8)
+
+
 class TorchReference:
     """``run(feeds) -> [outputs]`` with the same input names, dtypes and output order as the ONNX model."""
 
     def __init__(self, name: str, proto=None, device: str = "cpu", precision: str = "fp32"):
         """precision: "fp32" (strict: no TF32 on CUDA), "tf32" (CUDA matmuls in TF32), "fp16" or "bf16"
-        (torch.autocast, PyTorch's mixed precision)."""
+        (torch.autocast, PyTorch's mixed precision), "int8" (CPU: PyTorch's dynamic quantization)."""
         import torch
         import transformers
 
-        if precision not in ("fp32", "tf32", "fp16", "bf16"):
-            raise ValueError(f"precision must be fp32, tf32, fp16 or bf16, got {precision!r}")
+        if precision not in ("fp32", "tf32", "fp16", "bf16", "int8"):
+            raise ValueError(f"precision must be fp32, tf32, fp16, bf16 or int8, got {precision!r}")
+        if precision == "int8" and device != "cpu":
+            raise ValueError("precision='int8' (PyTorch's dynamic quantization) runs on the CPU only")
         self.precision = precision
 
         if name not in models.DEFAULT_MODELS:
@@ -69,6 +83,8 @@ class TorchReference:
             module = transformers.BertModel(_hf_config(cfg), add_pooling_layer=False)
             _load_onnx_weights(module, proto, "")
         self.module = module.to(self.device).eval()
+        if precision == "int8":  # int8 weights, activations quantized per call (tvmdm.bench.quantized)
+            self.module = torch_dynamic_quantized(self.module)
         self._forward = self.module
 
     def compile(self) -> "TorchReference":
