@@ -37,3 +37,32 @@ def quantized_export(hf_export, tmp_path, family: str = "bert") -> str:
     path = str(tmp_path / f"{family}-int8.onnx")
     quantize_dynamic(hf_export(family), path, weight_type=QuantType.QInt8)
     return path
+
+
+def qdq_matmul_model(k: int, n: int, activation: str = "uint8", per_column: bool = False,
+                     seed: int = 0) -> onnx.ModelProto:
+    """The same contraction in QDQ format (what static quantization and other tools write): QuantizeLinear /
+    DequantizeLinear around the activations with a fixed scale and zero point, DequantizeLinear on the int8
+    weight (one scale, or ``per_column`` one per output column), then a float MatMul and the bias."""
+    rng = np.random.default_rng(seed)
+    weight = rng.integers(-127, 128, size=(k, n)).astype(np.int8)
+    x_zero_point = np.array(131 if activation == "uint8" else 3, dtype=activation)
+    inits = [numpy_helper.from_array(weight, "W"),
+             numpy_helper.from_array(np.zeros(n if per_column else (), np.int8), "W_zero_point"),
+             numpy_helper.from_array(rng.uniform(0.002, 0.006, n).astype(np.float32) if per_column else
+                                     np.array(0.004, np.float32), "W_scale"),
+             numpy_helper.from_array(np.array(0.02, np.float32), "x_scale"),
+             numpy_helper.from_array(x_zero_point, "x_zero_point"),
+             numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "bias")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero_point"], ["x_q"]),
+             helper.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zero_point"], ["x_dq"]),
+             helper.make_node("DequantizeLinear", ["W", "W_scale", "W_zero_point"], ["W_dq"], axis=1),
+             helper.make_node("MatMul", ["x_dq", "W_dq"], ["product"]),
+             helper.make_node("Add", ["product", "bias"], ["y"])]
+    graph = helper.make_graph(nodes, "qdq_matmul",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model

@@ -90,3 +90,17 @@ def test_whole_tensor_max_and_min_reduce_rows_first_with_the_same_results():
         results.append(vm["main"](tvm.runtime.tensor(x)).numpy())
     assert results[0] == results[1] == x.max() - x.min()
     assert rows_then_whole()(_max_min_module((32,)))["main"].script().count("axis=[-1]") == 0  # rank 1: as it is
+
+
+@pytest.mark.parametrize("activation, per_column", [("uint8", False), ("int8", False), ("int8", True)])
+def test_qdq_files_take_the_same_kernel_and_match_onnxruntime(activation, per_column):
+    from tests.helpers.quantized import qdq_matmul_model
+
+    model = qdq_matmul_model(64, 48, activation, per_column)
+    compiled = _compile(model, tuning_logs=None)
+    assert _int8_kernels(compiled)
+    for batch, seq in [(2, 12), (1, 5)]:
+        x = np.random.default_rng(seq).standard_normal((batch, seq, 64)).astype(np.float32)
+        (expected,) = _onnxruntime(model, {"x": x})
+        # onnxruntime multiplies the dequantized floats; the kernel scales the exact integer sum once
+        np.testing.assert_allclose(compiled.run({"x": x})[0], expected, rtol=1e-4, atol=1e-4)

@@ -12,9 +12,15 @@ int8_kernels) reading x_q as it is, W packed at compile time as [N/16, K/4, 16, 
 zero point's term), so schedules.int8 runs it on the integer dot product (vpdpbusd) where the CPU has one.
 The dequantize after it (the int32 -> fp32 cast, the scale multiply, the bias) fuses into its epilogue.
 
+QDQ files (static quantization and other tools: QuantizeLinear / DequantizeLinear around a float MatMul) import
+as ``matmul(dequantize(x_q, s_x, x_zp), dequantize(W, s_w, 0))``: the same kernel, then the cast and the
+multiply by s_x * s_w (per tensor or per output column). int8 activations (QDQ's default) are read as uint8
+with 128 added to them and to their zero point (x_q - x_zp is unchanged; vpdpbusd multiplies unsigned by
+signed bytes), an element-wise step that fuses into the quantization producing them.
+
 Preconditions: shapes of W and the last dim of x_q concrete (the leading dims may be symbolic); N % 16 == 0 and
-K % 4 == 0. A contraction that does not match (a nonzero or per-column weight zero point, a weight computed at
-run time) keeps the frontend's generic int32 matmul: same results, slower.
+K % 4 == 0; zero points scalars. A contraction that does not match (a nonzero weight zero point, a weight
+computed at run time) keeps the frontend's generic int32 or float matmul: same results, slower.
 """
 from __future__ import annotations
 
@@ -30,10 +36,13 @@ from tvmdm.transform.ir import bindings_of, call_op, function_pass, rewritten
 
 @dataclasses.dataclass(frozen=True)
 class Int8Gemm:
-    """matmul of x (uint8, its zero point ``zero_point``) by the int8 constant ``weight`` ([K, N])."""
+    """matmul of x (uint8 or int8, its zero point ``zero_point``) by the int8 constant ``weight`` ([K, N]);
+    ``scale`` (QDQ): the dequantize scales' product the integer result is multiplied by, None where the
+    graph multiplies it itself (MatMulInteger)."""
     x: relax.Expr
     zero_point: relax.Expr
     weight: np.ndarray
+    scale: tuple | None = None  # (s_x, s_w)
 
 
 def _widened(expr, bindings: dict, dtype: str):
@@ -59,31 +68,57 @@ def _constant(expr, bindings: dict) -> np.ndarray | None:
     return expr.value.numpy() if isinstance(expr, tvm.ir.expr.Constant) else None
 
 
+def _dequantized(expr, bindings: dict, per_column: bool = False):
+    """(data, scale, zero point) when ``expr`` is dequantize(data, scale, zero point) to float32 with a scalar
+    scale (``per_column``: or one per column of a 2-D data), else None."""
+    value = bindings.get(expr) if isinstance(expr, relax.Var) else expr
+    if call_op(value) != "relax.dequantize" or str(value.attrs.out_dtype) != "float32":
+        return None
+    scale_rank = len(value.args[1].ty.shape.values)
+    if scale_rank > 1 or scale_rank == 1 and not (per_column and int(value.attrs.axis) in (1, -1)):
+        return None
+    return tuple(value.args)
+
+
+def _int8_gemm(x, x_zp, w, w_zp, bindings: dict, scale=None) -> Int8Gemm | None:
+    """The plan of x (int8 / uint8 activations, a scalar zero point) times the weight ``w``, when ``w`` is a 2-D
+    int8 constant of whole panels with zero point 0; else None."""
+    weight = _constant(w, bindings)
+    w_zero = np.zeros((), np.int8) if w_zp is None else _constant(w_zp, bindings)
+    dims = x.ty.shape.values
+    if weight is None or weight.dtype != np.int8 or weight.ndim != 2 or w_zero is None or np.any(w_zero != 0) \
+            or x.ty.dtype not in ("uint8", "int8") or x_zp.ty.dtype != x.ty.dtype or \
+            len(x_zp.ty.shape.values) != 0 or not isinstance(dims[-1], tirx.IntImm) or not int8_fits(*weight.shape):
+        return None
+    return Int8Gemm(x, x_zp, weight, scale)
+
+
 def _plan(func: relax.Function) -> dict:
-    """var -> Int8Gemm for every integer matmul the rewrite takes (see the module doc)."""
+    """var -> Int8Gemm for every quantized matmul the rewrite takes (see the module doc)."""
     bindings = bindings_of(func)
     targets = {}
     for var, value in bindings.items():
-        if call_op(value) != "relax.matmul" or str(value.attrs.out_dtype) != "int32":
+        if call_op(value) != "relax.matmul":
             continue
-        left, right = (_widened(arg, bindings, dtype) for arg, dtype in zip(value.args, ("uint8", "int8")))
-        if left is None or right is None or left[1] is None:
-            continue
-        (x, x_zp), (w, w_zp) = left, right
-        weight = _constant(w, bindings)
-        w_zero = np.zeros((), np.int8) if w_zp is None else _constant(w_zp, bindings)
-        dims = x.ty.shape.values
-        if weight is None or weight.ndim != 2 or w_zero is None or np.any(w_zero != 0) or \
-                len(x_zp.ty.shape.values) != 0 or not isinstance(dims[-1], tirx.IntImm) or \
-                not int8_fits(*weight.shape):
-            continue
-        targets[var] = Int8Gemm(x, x_zp, weight)
+        plan = None
+        if str(value.attrs.out_dtype) == "int32":  # MatMulInteger
+            x, w = value.args
+            left = _widened(x, bindings, "uint8") or _widened(x, bindings, "int8")
+            right = _widened(w, bindings, "int8")
+            if left is not None and right is not None and left[1] is not None:
+                plan = _int8_gemm(*left, *right, bindings)
+        else:  # QDQ
+            left, right = _dequantized(value.args[0], bindings), _dequantized(value.args[1], bindings, True)
+            if left is not None and right is not None:
+                plan = _int8_gemm(left[0], left[2], right[0], right[2], bindings, scale=(left[1], right[1]))
+        if plan is not None:
+            targets[var] = plan
     return targets
 
 
 def int8_contractions() -> tvm.transform.Pass:
-    """matmul(x_q - x_zp, W - 0) of a quantized model -> int8_gemm(x_q, x_zp, pack(W), colsum(W)) in every Relax
-    function; see the module doc. A model without such contractions is returned unchanged."""
+    """matmul(x_q - x_zp, W - 0) of a quantized model (or its QDQ form) -> int8_gemm(x_q, x_zp, pack(W), colsum(W))
+    in every Relax function; see the module doc. A model without such contractions is returned unchanged."""
     return function_pass("tvmdm.Int8Contractions", _rewrite_function)
 
 
@@ -98,12 +133,21 @@ def _rewrite_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
             target = targets.get(binding.var)
             if target is None:
                 return super().visit_var_binding_(binding)
+            bb = self.builder_
             k, n = target.weight.shape
             lead = list(target.x.ty.shape.values)[:-1]
-            gemm = self.builder_.add_func(int8_gemm_func(lead, k, n), "int8_gemm")
-            args = [self.visit_expr(target.x), self.visit_expr(target.zero_point),
-                    relax.const(pack_int8_weight(target.weight)), relax.const(column_sums(target.weight))]
-            out = self.builder_.emit(relax.call_tir(gemm, args, relax.TensorType(lead + [n], "int32")))
+            x, zero_point = self.visit_expr(target.x), self.visit_expr(target.zero_point)
+            if target.x.ty.dtype == "int8":  # as uint8: + 128 to both (their difference is unchanged)
+                x, zero_point = (bb.emit(relax.op.astype(relax.op.add(relax.op.astype(v, "int32"),
+                                                                      relax.const(128, "int32")), "uint8"))
+                                 for v in (x, zero_point))
+            gemm = bb.add_func(int8_gemm_func(lead, k, n), "int8_gemm")
+            args = [x, zero_point, relax.const(pack_int8_weight(target.weight)),
+                    relax.const(column_sums(target.weight))]
+            out = bb.emit(relax.call_tir(gemm, args, relax.TensorType(lead + [n], "int32")))
+            if target.scale is not None:  # QDQ: the dequantize of the product
+                x_scale, w_scale = (self.visit_expr(v) for v in target.scale)
+                out = bb.emit(relax.op.multiply(relax.op.astype(out, "float32"), relax.op.multiply(x_scale, w_scale)))
             self.set_var_remap(binding.var, out)
             return None
 
