@@ -111,7 +111,9 @@ def schedule_row_reduction(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | N
     block = sch.get(sch.get_sblock(names[0]))
     width = block.iter_vars[-1].dom.extent
     leading = len(block.iter_vars) - 1
-    if leading < 1 or not isinstance(width, tirx.IntImm) or width.value % lanes or \
+    # one input, reduced along its last axis (a contraction reads two: not this rule's)
+    if leading < 1 or len(block.reads) != 1 or len(block.reads[0].region) != leading + 1 or \
+            not isinstance(width, tirx.IntImm) or width.value % lanes or \
             not is_row_reduction(block, leading, width.value):
         return None
     reductions_in_row_tiles(sch, names, names[0], lanes, alone=True)

@@ -198,3 +198,22 @@ def test_row_normalizations_are_scheduled_per_row_tile_and_exact():
     np.testing.assert_allclose(centred, x - x.mean(-1, keepdims=True), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ragged, softmax(odd), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(middle, x.sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_lone_row_reduction_gets_row_tiles_and_a_contraction_does_not():
+    from tvm import te, topi
+
+    from schedules.rows import schedule_row_reduction
+
+    x = te.placeholder((4, 6, 64), "float32", name="x")
+    row_max = te.create_prim_func([x, topi.max(x, axis=-1)]).with_attr("global_symbol", "main")
+    scheduled = schedule_row_reduction(row_max, 16)
+    assert scheduled is not None and "T.parallel" in scheduled.script()
+    data = np.random.default_rng(0).standard_normal((4, 6, 64)).astype("float32")
+    out = tvm.runtime.tensor(np.zeros((4, 6), "float32"))
+    tvm.tirx.build(scheduled, target="llvm")(tvm.runtime.tensor(data), out)
+    np.testing.assert_array_equal(out.numpy(), data.max(axis=-1))
+    w = te.placeholder((64, 32), "float32", name="w")
+    x2 = te.placeholder((24, 64), "float32", name="x2")
+    contraction = te.create_prim_func([x2, w, topi.matmul(x2, w)]).with_attr("global_symbol", "main")
+    assert schedule_row_reduction(contraction, 16) is None  # two inputs: a matmul is no row reduction
