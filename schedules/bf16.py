@@ -153,8 +153,3 @@ class Bf16Contractions(ScheduleRule):
             return None
         flops = int(estimate_tir_flops(tvm.IRModule({"main": func})))
         return schedule_bf16_gemm(func).with_attr(FLOPS_ATTR, flops)
-
-
-def hand_scheduled(func: tirx.PrimFunc, target: tvm.target.Target) -> bool:
-    """Whether Bf16Contractions takes this kernel (so tuning it would be wasted)."""
-    return has_bf16_dot(target) and (has_block(func, GEMM_BLOCK) or has_block(func, TRANSPOSED_BLOCK))

@@ -93,6 +93,8 @@ def test_tuner_leaves_hand_scheduled_kernels_out(tiny_layer):
     names = [t.task_name for t in tasks]
     assert names and not [n for n in names if "collapse_sum" in n]
     assert not [t for t in tasks if is_column_reduction(t.dispatched[0]["main"]) or is_transpose(t.dispatched[0]["main"])]
+    # the paper's attention kernels and row normalizations too (their schedules beat the records)
+    assert not {"sm", "attention_context", "bdrln"} & set(names) and [n for n in names if "matmul" in n]
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])

@@ -63,7 +63,8 @@ def test_log_applies_to_a_users_hf_export(tmp_path):
     left = untuned(compiled, compiled.kernels)
     # Every contraction, softmax and LayerNorm kernel reuses the records; only export-specific glue differs.
     assert all("matmul" not in k and k not in ("softmax", "layer_norm") for k in left), left
-    assert len(compiled.tuned_kernels) >= (10 if TUNED_HERE else 5)
+    # (softmax and LayerNorm: hand-written row schedules, ahead of the records)
+    assert len(compiled.tuned_kernels) >= (9 if TUNED_HERE else 5)
     assert compiled.check(tvmdm.random_inputs(compiled, batch=8, seq=128)).ok
     assert "bert-base-layer-llvm" in [os.path.basename(d) for d in shipped_logs("llvm")]
 

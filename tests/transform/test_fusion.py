@@ -161,7 +161,8 @@ def test_tuner_tunes_the_paper_kernels_in_a_space_it_can_build(tiny_layer, tmp_p
     from tvmdm.tune import metaschedule_fixes
     from tvmdm.tune.tuner import drop_unschedulable, extract_tasks
 
-    tasks, _ = extract_tasks(tiny_layer, "llvm", TINY_SHAPES, "paper", only=["sm", "bdrln"])
+    # (compile schedules them by hand on CPUs; the tuner leaves them out unless asked)
+    tasks, _ = extract_tasks(tiny_layer, "llvm", TINY_SHAPES, "paper", only=["sm", "bdrln"], keep_hand_written=True)
     metaschedule_fixes.reset_metaschedule_logging()  # as the tuner does: other tests' logging handlers break MetaSchedule's
     contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
         tasks, str(tmp_path), strategy="evolutionary", num_threads=1, seed=0)

@@ -29,7 +29,8 @@ def smoke_logs(tmp_path_factory, tiny_layer):
 
 def test_smoke_tuning_writes_a_log(smoke_logs):
     logs, summary = smoke_logs
-    assert summary["trials_run"] >= 4 and len(summary["tasks"]) == 8  # the paper level's kernels (stock: 11)
+    # the paper level's kernels but SM, the context contraction and BDRLN (scheduled by hand, no record applies)
+    assert summary["trials_run"] >= 4 and len(summary["tasks"]) == 5
     with open(os.path.join(logs, database.RECORDS)) as f:
         records = [json.loads(line) for line in f]
     assert len(records) >= 4

@@ -24,11 +24,12 @@ _INTERRUPTED: list[int] = []  # signals received by `tvmdm tune` (see _interrupt
 
 
 def extract_tasks(model, target, shapes=None, fusion=DEFAULT_FUSION, train: bool = False, only=None, layout=DEFAULT_LAYOUT,
-                  precision: str = "fp32"):
+                  precision: str = "fp32", keep_hand_written: bool = False):
     """(tuning tasks, the compile target) for ``model`` as tvmdm.compile (or, with ``train``,
     tvmdm.compile_train_step with an MSE loss) would build it. ``only``: keep the tasks whose name contains
-    one of these strings (e.g. ["matmul"]: the contractions, where most of the time goes). Under
-    precision="bf16" the bf16 contractions are left out: they have a hand-written micro-kernel."""
+    one of these strings (e.g. ["matmul"]: the contractions, where most of the time goes). On CPUs the kernels
+    a hand-written rule takes at compile (the packed, bf16 and int8 contractions, SM, BDRLN, ...) are left out
+    unless ``keep_hand_written``: no record of them would be applied."""
     import tvm
     from tvm.s_tir import meta_schedule as ms
 
@@ -62,13 +63,10 @@ def extract_tasks(model, target, shapes=None, fusion=DEFAULT_FUSION, train: bool
     # Weight packing (main_transform_params) runs once at load: nothing there is worth a trial.
     fused = tvm.IRModule({gv: f for gv, f in fused.functions_items() if gv.name_hint != TRANSFORM_PARAMS})
     tasks = ms.relax_integration.extract_tasks(fused, tvm_target)
-    if tvm_target.kind.name == "llvm":  # what compile schedules by hand is not worth a trial
-        from schedules.bf16 import hand_scheduled
-        from schedules.reductions import is_column_reduction
-        from schedules.transposes import is_transpose
+    if tvm_target.kind.name == "llvm" and not keep_hand_written:  # what compile schedules by hand
+        from schedules.pipeline import taken_by_hand
 
-        tasks = [t for t in tasks if not hand_scheduled(t.dispatched[0]["main"], tvm_target)
-                 and not is_column_reduction(t.dispatched[0]["main"]) and not is_transpose(t.dispatched[0]["main"])]
+        tasks = [t for t in tasks if not taken_by_hand(t.dispatched[0]["main"], options)]
     if only:
         tasks = [t for t in tasks if any(key in t.task_name for key in only)]
     return tasks, tvm_target
