@@ -75,12 +75,12 @@ def schedule_bf16_gemm(func: tirx.PrimFunc, rows: int | None = None, vectors: in
     return schedule_dot_gemm(func, GEMM_BLOCK, INTRIN, DPBF16PS_LLVM, PAIR, K_BLOCK, rows, vectors)
 
 
-def schedule_dot_gemm(func: tirx.PrimFunc, block: str, intrin: str, llvm_ir: str, group: int, k_block: int,
-                      rows: int | None = None, vectors: int | None = None) -> tirx.PrimFunc:
-    """The register-tiled micro-kernel on a 16-lane dot-product instruction (the tensor intrinsic ``intrin``:
-    16 accumulators += ``group`` values of one activation row, broadcast, times a packed [16, group] weight
-    tile; its LLVM function ``llvm_ir`` linked in) for the kernel's contraction block ``block`` over packed
-    weights. ``rows`` x ``vectors`` x 16 accumulators per tile (default: 4 x 4, or what divides the shape);
+def schedule_dot_gemm(func: tirx.PrimFunc, block: str, intrin: str, llvm_ir: str | None, group: int, k_block: int,
+                      rows: int | None = None, vectors: int | None = None, lanes: int = LANES) -> tirx.PrimFunc:
+    """The register-tiled micro-kernel on a dot-product instruction (the tensor intrinsic ``intrin``: ``lanes``
+    accumulators += ``group`` values of one activation row, broadcast, times a packed [lanes, group] weight
+    tile; its LLVM function ``llvm_ir``, if any, linked in) for the kernel's contraction block ``block`` over
+    packed weights. ``rows`` x ``vectors`` x ``lanes`` accumulators per tile (default: 4 x 4, or what divides the shape);
     K in blocks of ``k_block``. Symbolic rows come in whole tiles (tvmdm.transform.kernels.row_tiles)."""
     sch = Schedule(func)
     # The element-wise blocks between the contraction and the outputs (bias add, GELU's pieces) are inlined
@@ -94,10 +94,10 @@ def schedule_dot_gemm(func: tirx.PrimFunc, block: str, intrin: str, llvm_ir: str
     n_extent, k_extent = (int(sch.get(x).extent) for x in (n, k))
     # symbolic rows: row_tiles padded them to whole tiles of ROW_PAD, which 4 divides
     rows = rows or (_divisor(int(sch.get(m).extent), (4, 8, 6, 2, 1)) if static_rows else 4)
-    vectors = vectors or _divisor(n_extent // LANES, (4, 3, 2, 1))
+    vectors = vectors or _divisor(n_extent // lanes, (4, 3, 2, 1))
     k_block = k_block if k_extent % k_block == 0 else k_extent
     mo, mi = sch.split(m, [None, rows])
-    no, nv, ni = sch.split(n, [None, vectors, LANES])
+    no, nv, ni = sch.split(n, [None, vectors, lanes])
     ko, kp, ki = sch.split(k, [None, k_block // group, group])
     sch.reorder(no, *outer, mo, ko, kp, mi, nv, ni, ki)
     tile = sch.fuse(no, *outer, mo)
@@ -110,11 +110,12 @@ def schedule_dot_gemm(func: tirx.PrimFunc, block: str, intrin: str, llvm_ir: str
         sch.set_scope(gemm, 0, "local")
     init = sch.decompose_reduction(gemm, ko)
     # before tensorize, which replaces the contraction's block (the accumulators' block for symbolic rows)
-    epilogue_into_tile(sch, acc, tile, LANES)
+    epilogue_into_tile(sch, acc, tile, lanes)
     sch.unroll(mi)
     sch.unroll(nv)
     sch.tensorize(ni, intrin)
-    sch.annotate(tile, "pragma_import_llvm", llvm_ir)
+    if llvm_ir is not None:
+        sch.annotate(tile, "pragma_import_llvm", llvm_ir)
     sch.vectorize(sch.get_loops(init)[-1])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 

@@ -7,9 +7,12 @@ bf16 micro-kernel (schedules.bf16.schedule_dot_gemm); the zero point's term, the
 fused bias / GELU / residual epilogues are computed per tile from the accumulators.
 
 The instruction is reached as vdpbf16ps is: an LLVM function linked into the module and inlined (TVM 0.27's
-call_llvm_pure_intrin does not bitcast to the <64 x i8> operands LLVM 22's intrinsic takes). On a CPU without
-AVX512-VNNI the same kernel gets a vectorized int32 schedule (widened products; same results, slower) and one
-warning says so.
+call_llvm_pure_intrin does not bitcast to the <64 x i8> operands LLVM 22's intrinsic takes).
+
+On a CPU without AVX512-VNNI (Zen 4 with AVX-512 hidden: AVX2 only) the weights are packed as int16 pairs and
+each vpmaddwd adds 2 exact products to each of 8 lanes (vpmaddubsw would take 4 u8 x s8 products but saturates
+their pair sums to int16); one warning says so. 2 Zen 4 cores, base layer's FFN contractions at (8, 128):
+vpdpbusd 680-900 GOP/s, vpmaddwd 210-236, widened int32 multiplies 65.
 """
 from __future__ import annotations
 
@@ -22,14 +25,12 @@ from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.script import tirx as T
 
 from schedules.bf16 import schedule_dot_gemm
-from schedules.default import inline_elementwise, tile_dividing
-from schedules.packed import epilogue_into_tile, has_block
+from schedules.packed import has_block
 from schedules.rule import FLOPS_ATTR, ScheduleRule
-from tvmdm.core.target import vector_lanes
-from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, INT8_LANES as LANES, QUAD
+from tvmdm.core.target import has_int8_dot
+from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, INT8_LANES as LANES, QUAD, VNNI, WIDE
 
 INTRIN = "tvmdm_dot_16x4_u8s8"
-CPU_FEATURE = "avx512vnni"  # LLVM's name; /proc/cpuinfo says avx512_vnni
 K_BLOCK = 512  # accumulate over this much of K before moving on (as the bf16 kernel's 256: the same bytes)
 DPBUSD_FUNCTION = "tvmdm_dpbusd"
 DPBUSD_LLVM = r"""
@@ -70,12 +71,37 @@ def _dot_impl(a: T.Buffer((QUAD,), "uint8", offset_factor=1), w: T.Buffer((LANES
 
 TensorIntrin.register(INTRIN, _dot_desc, _dot_impl, override=True)
 
+WIDE_INTRIN = "tvmdm_dot_8x2_u8s16"
+PAIR, WIDE_LANES = 2, 8
 
-def has_int8_dot(target: tvm.target.Target) -> bool:
-    """Whether ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has AVX512-VNNI's vpdpbusd."""
-    from tvm.target import codegen
 
-    return target.kind.name == "llvm" and bool(codegen.target_has_features(CPU_FEATURE, target))
+@T.prim_func(s_tir=True)
+def _wide_desc(a: T.Buffer((PAIR,), "uint8", offset_factor=1),
+               w: T.Buffer((WIDE_LANES, PAIR), "int16", offset_factor=1),
+               c: T.Buffer((WIDE_LANES,), "int32", offset_factor=1, scope="local")):
+    with T.sblock("root"):
+        T.reads(c[0:WIDE_LANES], a[0:PAIR], w[0:WIDE_LANES, 0:PAIR])
+        T.writes(c[0:WIDE_LANES])
+        for i, k in T.grid(WIDE_LANES, PAIR):
+            with T.sblock("update"):
+                vi, vk = T.axis.remap("SR", [i, k])
+                c[vi] = c[vi] + T.Cast("int32", a[vk]) * T.Cast("int32", w[vi, vk])
+
+
+@T.prim_func(s_tir=True)
+def _wide_impl(a: T.Buffer((PAIR,), "uint8", offset_factor=1),
+               w: T.Buffer((WIDE_LANES, PAIR), "int16", offset_factor=1),
+               c: T.Buffer((WIDE_LANES,), "int32", offset_factor=1, scope="local")):
+    with T.sblock("root"):
+        T.reads(c[0:WIDE_LANES], a[0:PAIR], w[0:WIDE_LANES, 0:PAIR])
+        T.writes(c[0:WIDE_LANES])
+        pair = T.reinterpret(T.Cast("int16x2", a.vload([0], "uint8x2")), dtype="int32")
+        c[T.ramp(T.int32(0), 1, WIDE_LANES)] = c.vload([0], "int32x8") + T.call_llvm_pure_intrin(
+            "int32x8", "llvm.x86.avx2.pmadd.wd", T.reinterpret(T.broadcast(pair, WIDE_LANES), dtype="int16x16"),
+            w.vload([0, 0], "int16x16"))
+
+
+TensorIntrin.register(WIDE_INTRIN, _wide_desc, _wide_impl, override=True)
 
 
 def schedule_int8_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -83,40 +109,29 @@ def schedule_int8_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return schedule_dot_gemm(func, INT8_GEMM_BLOCK, INTRIN, DPBUSD_LLVM, QUAD, K_BLOCK)
 
 
-def schedule_int8_gemm_widened(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc:
-    """Without vpdpbusd: tiles of rows x 2 vectors of ``lanes`` int32 accumulators, each product widened to
-    int32 (LLVM's vpmulld / vpaddd), a quad of k unrolled; the tiles in parallel."""
+def schedule_int8_gemm_widened(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """vpmaddwd's micro-kernel for weights packed as int16 pairs (WIDE): 4 rows x 3 vectors of 8 int32
+    accumulators (12 of AVX2's 16 registers), a pair of u8 activations widened to int16 and broadcast."""
     sch = Schedule(func)
-    inline_elementwise(sch, sch.get_sblock("root"))
-    gemm = sch.get_sblock(INT8_GEMM_BLOCK)
-    *outer, m, n, k = sch.get_loops(gemm)
-    static_rows = isinstance(sch.get(m).extent, tirx.IntImm)
-    mo, mi = sch.split(m, [None, tile_dividing(sch.get(m).extent, (4, 2, 1)) if static_rows else 4])
-    no, nv, ni = sch.split(n, [None, LANES // lanes, lanes])
-    ko, ki = sch.split(k, [None, QUAD])
-    sch.reorder(no, *outer, mo, ko, mi, ki, nv, ni)
-    tile = sch.fuse(no, *outer, mo)
-    sch.parallel(tile)
-    if static_rows:
-        acc = sch.cache_write(gemm, 0, "local")
-        sch.reverse_compute_at(acc, tile)
-    else:
-        acc = gemm
-        sch.set_scope(gemm, 0, "local")
-    sch.unroll(mi)
-    sch.unroll(ki)
-    sch.unroll(nv)
-    sch.vectorize(ni)
-    init = sch.decompose_reduction(gemm, ko)
-    sch.vectorize(sch.get_loops(init)[-1])
-    epilogue_into_tile(sch, acc, tile, lanes)
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    n = int(sch.get(sch.get_loops(sch.get_sblock(INT8_GEMM_BLOCK))[-2]).extent)
+    vectors = next(v for v in (3, 2, 1) if n // WIDE.lanes % v == 0)
+    return schedule_dot_gemm(func, INT8_GEMM_BLOCK, WIDE_INTRIN, None, WIDE.group, K_BLOCK, vectors=vectors,
+                             lanes=WIDE.lanes)
+
+
+def _packing_of(func: tirx.PrimFunc):
+    """The weight packing an int8_gemm kernel reads (its int16 weights: WIDE), None without such a block."""
+    if not has_block(func, INT8_GEMM_BLOCK):
+        return None
+    sch = Schedule(func)
+    reads = sch.get(sch.get_sblock(INT8_GEMM_BLOCK)).reads
+    return WIDE if any(r.source.dtype == "int16" for r in reads) else VNNI  # (0.27: regions name .source)
 
 
 class Int8Contractions(ScheduleRule):
     """Every kernel with an int8_gemm block (a quantized model's contractions, made by tvmdm.transform.
-    quantized), on the vpdpbusd micro-kernel where the CPU has AVX512-VNNI, else widened to int32 vectors
-    (one warning says so)."""
+    quantized) on its micro-kernel: vpdpbusd where the CPU has AVX512-VNNI, else vpmaddwd on int16 pairs (one
+    warning says so)."""
 
     name = "int8 contractions"
 
@@ -125,13 +140,13 @@ class Int8Contractions(ScheduleRule):
             return {}
         if not has_int8_dot(options.target):
             warnings.warn(f"target {options.target} has no AVX512-VNNI integer dot product: the int8 contractions "
-                          "run on widened int32 vectors (same results, slower)", stacklevel=2)
+                          "run on vpmaddwd (int16 pairs; same results, about 3x slower)", stacklevel=2)
         return super().apply(kernels, options)
 
     def schedule(self, func, options):
-        if not has_block(func, INT8_GEMM_BLOCK):
+        packing = _packing_of(func)
+        if packing is None:
             return None
         flops = int(estimate_tir_flops(tvm.IRModule({"main": func})))
-        if has_int8_dot(options.target):
-            return schedule_int8_gemm(func).with_attr(FLOPS_ATTR, flops)
-        return schedule_int8_gemm_widened(func, vector_lanes(options.target)).with_attr(FLOPS_ATTR, flops)
+        scheduled = schedule_int8_gemm(func) if packing is VNNI else schedule_int8_gemm_widened(func)
+        return scheduled.with_attr(FLOPS_ATTR, flops)

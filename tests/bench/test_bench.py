@@ -183,7 +183,7 @@ def test_reduced_precision_rows_are_held_to_their_documented_bound():
 def test_torch_reference_in_reduced_precision_rounds_within_its_bound():
     # the GPU session's torch-cuda[fp16] / [tf32] rows run through the same precision switch; here on the CPU
     pytest.importorskip("torch")
-    from tvmdm.core.precision import BF16_MAX_REL_ERR
+    from tvmdm.core.precision import BF16_MAX_REL_ERR, MAX_REL_ERR
     from tvmdm.models.torch_reference import TorchReference
 
     proto = tvmdm.default_model("bert-tiny-layer")
@@ -194,7 +194,13 @@ def test_torch_reference_in_reduced_precision_rounds_within_its_bound():
     assert 0 < rel <= BF16_MAX_REL_ERR  # > 0: autocast really ran the matmuls in bf16
     np.testing.assert_array_equal(TorchReference("bert-tiny-layer", proto, precision="tf32").run(feeds)[0], exact)
     with pytest.raises(ValueError, match="precision must be"):
-        TorchReference("bert-tiny-layer", proto, precision="int8")
+        TorchReference("bert-tiny-layer", proto, precision="int4")
+    quantized = TorchReference("bert-tiny-layer", proto, precision="int8")  # PyTorch's dynamic quantization
+    assert "DynamicQuantizedLinear" in repr(quantized.module)
+    rel = float(np.abs(quantized.run(feeds)[0] - exact).max() / np.abs(exact).max())
+    assert 0 < rel <= MAX_REL_ERR["int8"]
+    with pytest.raises(ValueError, match="CPU only"):
+        TorchReference("bert-tiny-layer", proto, device="cuda", precision="int8")
 
 
 def test_torch_amp_step_with_grad_scaler_runs_and_matches_fp32():

@@ -136,7 +136,8 @@ def test_int8_code_of_each_kind_and_its_numbers_where_this_machine_can_run_it(ki
         compiled = tvmdm.compile(model, shapes={"x": [2, 16, 64]}, target=kind.target(), tuning_logs=None)
     assert any("no AVX512-VNNI" in str(w.message) for w in caught) != kind.int8_dot
     assert [k for k in compiled.hand_kernels if "int8_gemm" in k]
-    assert ("vpdpbusd" in asm_of(compiled)) == kind.int8_dot
+    asm = asm_of(compiled)
+    assert ("vpdpbusd" in asm) == kind.int8_dot and ("vpmaddwd" in asm) != kind.int8_dot  # AVX2: int16 pairs
     reason = kind.cannot_run_here()
     if reason:
         pytest.skip(reason)

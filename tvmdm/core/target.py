@@ -154,5 +154,10 @@ def vector_lanes(target: tvm.target.Target) -> int:
     return vector_bits(target) // 32
 
 
+def has_int8_dot(target: tvm.target.Target) -> bool:
+    """Whether an llvm ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has AVX512-VNNI's vpdpbusd."""
+    return target.kind.name == "llvm" and bool(tvm.target.codegen.target_has_features("avx512vnni", target))
+
+
 def is_gpu(target: tvm.target.Target) -> bool:
     return target.kind.name == "cuda"

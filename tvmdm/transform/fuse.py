@@ -23,6 +23,7 @@ import tvm
 from tvm import relax, tirx
 
 from tvmdm.core.options import Options
+from tvmdm.core.target import has_int8_dot
 from tvmdm.transform.fast_math import fast_math
 from tvmdm.transform.graph_rewrites import paper_graph_rewrites
 from tvmdm.transform.index_guards import guard_gathers
@@ -102,8 +103,10 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     # inference: gathers clipped into their tables and checked in the module (a training graph clips its indices
     # before its gradient: tvmdm.train.step)
     passes = [guard_gathers()] if not options.training else []
-    # quantized models: integer matmuls, DynamicQuantizeLinear's max / min in parallel (nothing to do in others)
-    passes += [int8_contractions(), rows_then_whole()]
+    # quantized models: integer matmuls (CPUs), DynamicQuantizeLinear's max / min in parallel (nothing to do in
+    # other models)
+    passes += [int8_contractions(widened=not has_int8_dot(options.target))] if options.on_cpu else []
+    passes.append(rows_then_whole())
     passes += [paper_graph_rewrites(options.layout)] if paper else []
     passes += list(training.before_precision)
     passes += precision_passes(options.precision, training=options.training, target_kind=options.target_kind,

@@ -1,14 +1,19 @@
 """TE kernel builders of the int8 rewrite and the block names schedules.int8 looks for (the contract between
 tvmdm.transform.quantized and schedules.int8).
 
-  int8_gemm        acc (int32) = sum_k a[.., k] (uint8) * W[k, n] (int8), W packed once at compile as
-                   [N/16, K/4, 16, 4]: for each 16 output columns, the quads of consecutive k that one integer
-                   dot product (vpdpbusd: 16 int32 lanes, each the sum of 4 u8 x s8 products) reads as one vector;
+  int8_gemm        acc (int32) = sum_k a[.., k] (uint8) * W[k, n] (int8), W packed once at compile for the
+                   CPU's integer dot product (``Int8Packing``):
+                     VNNI   [N/16, K/4, 16, 4] int8: per 16 output columns, the quads of consecutive k that one
+                            vpdpbusd (16 int32 lanes, each the sum of 4 u8 x s8 products) reads as one vector;
+                     WIDE   [N/8, K/2, 8, 2] int16 (AVX2 without VNNI): the pairs one vpmaddwd reads (8 lanes,
+                            each the sum of 2 int16 products: exact for u8 x s8, where vpmaddubsw saturates);
   int8_zero_point  C = acc - zero_point(a) * colsum(W): the activations' zero point folded out of the loop (the
                    weight's column sums are computed with the packing), so the contraction reads the uint8 values
                    as they are; it is the epilogue every dequantize (scale multiply, bias, GELU) fuses after.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 from tvm import te, tirx
@@ -17,22 +22,31 @@ from tvmdm.transform.kernels import clamped_rows, int64_dims, lead_dims, private
 
 INT8_GEMM_BLOCK = "int8_gemm"
 INT8_ZERO_POINT_BLOCK = "int8_zero_point"
-INT8_LANES = 16  # int32 accumulators per vpdpbusd (and per AMX tile row)
-QUAD = 4  # u8 x s8 products per accumulator per vpdpbusd
 
 
-def int8_fits(k: int, n: int) -> bool:
-    return n % INT8_LANES == 0 and k % QUAD == 0
+@dataclasses.dataclass(frozen=True)
+class Int8Packing:
+    """The weight layout [N/lanes, K/group, lanes, group] of ``dtype``: ``group`` products per accumulator."""
+    lanes: int
+    group: int
+    dtype: str
+
+    def fits(self, k: int, n: int) -> bool:
+        return n % self.lanes == 0 and k % self.group == 0
+
+    def shape(self, k: int, n: int) -> list[int]:
+        return [n // self.lanes, k // self.group, self.lanes, self.group]
+
+    def pack(self, w: np.ndarray) -> np.ndarray:
+        """W [K, N] int8 -> this layout (see the module doc)."""
+        k, n = w.shape
+        grouped = w.reshape(k // self.group, self.group, n // self.lanes, self.lanes).transpose(2, 0, 3, 1)
+        return np.ascontiguousarray(grouped.astype(self.dtype))
 
 
-def int8_packed_shape(k: int, n: int) -> list[int]:
-    return [n // INT8_LANES, k // QUAD, INT8_LANES, QUAD]
-
-
-def pack_int8_weight(w: np.ndarray) -> np.ndarray:
-    """W [K, N] int8 -> [N/16, K/4, 16, 4] (see the module doc)."""
-    k, n = w.shape
-    return np.ascontiguousarray(w.reshape(k // QUAD, QUAD, n // INT8_LANES, INT8_LANES).transpose(2, 0, 3, 1))
+VNNI = Int8Packing(16, 4, "int8")  # vpdpbusd (and the AMX-INT8 tile rows)
+WIDE = Int8Packing(8, 2, "int16")  # vpmaddwd on AVX2
+INT8_LANES, QUAD = VNNI.lanes, VNNI.group
 
 
 def column_sums(w: np.ndarray) -> np.ndarray:
@@ -40,21 +54,22 @@ def column_sums(w: np.ndarray) -> np.ndarray:
     return w.astype(np.int32).sum(axis=0, dtype=np.int32)
 
 
-def int8_gemm_func(lead, k: int, n: int) -> tirx.PrimFunc:
+def int8_gemm_func(lead, k: int, n: int, packing: Int8Packing = VNNI) -> tirx.PrimFunc:
     """C[lead..., N] (int32) = sum_k (a[lead..., k] - zero_point) * W[k, n] from a (uint8), its zero point (a
-    uint8 scalar), W packed ([N/16, K/4, 16, 4] int8) and W's column sums (int32 [N]). Symbolic rows are
-    computed in whole tiles (kernels.row_tiles)."""
+    uint8 scalar), W packed as ``packing`` says and W's column sums (int32 [N]). Symbolic rows are computed in
+    whole tiles (kernels.row_tiles)."""
     lead = lead_dims(lead)
+    lanes, group = packing.lanes, packing.group
     a = te.placeholder(lead + int64_dims((k,)), "uint8", name="a")
     zero_point = te.placeholder((), "uint8", name="zero_point")
-    w = te.placeholder(int64_dims(int8_packed_shape(k, n)), "int8", name="w")
+    w = te.placeholder(int64_dims(packing.shape(k, n)), packing.dtype, name="w")
     sums = te.placeholder(int64_dims((n,)), "int32", name="column_sums")
     r = te.reduce_axis((tirx.IntImm("int64", 0), tirx.IntImm("int64", k)), name="k")
 
     def element(*idx):
         *lead_idx, col = idx
         return te.sum(a(*clamped_rows(lead_idx, lead), r).astype("int32") *
-                      w(col // INT8_LANES, r // QUAD, col % INT8_LANES, r % QUAD).astype("int32"), axis=r)
+                      w(col // lanes, r // group, col % lanes, r % group).astype("int32"), axis=r)
 
     def finish(acc, idx):
         return acc(*idx) - zero_point().astype("int32") * sums(idx[-1])

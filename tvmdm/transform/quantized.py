@@ -8,8 +8,9 @@ the activations and MatMulInteger against an int8 initializer; TVM's ONNX fronte
 
 with x_q uint8 [..., K], x_zp a uint8 scalar, W an int8 constant [K, N] and w_zp an int8 constant. Where w_zp
 is 0 (quantize_dynamic's symmetric int8 weights) this becomes one ``int8_gemm`` kernel (tvmdm.transform.
-int8_kernels) reading x_q as it is, W packed at compile time as [N/16, K/4, 16, 4] with its column sums (the
-zero point's term), so schedules.int8 runs it on the integer dot product (vpdpbusd) where the CPU has one.
+int8_kernels) reading x_q as it is, W packed at compile time for the CPU's integer dot product (vpdpbusd's
+[N/16, K/4, 16, 4] int8, or vpmaddwd's [N/8, K/2, 8, 2] int16 without VNNI) with its column sums (the zero
+point's term), for schedules.int8's micro-kernels.
 The dequantize after it (the int32 -> fp32 cast, the scale multiply, the bias) fuses into its epilogue.
 
 QDQ files (static quantization and other tools: QuantizeLinear / DequantizeLinear around a float MatMul) import
@@ -18,8 +19,8 @@ multiply by s_x * s_w (per tensor or per output column). int8 activations (QDQ's
 with 128 added to them and to their zero point (x_q - x_zp is unchanged; vpdpbusd multiplies unsigned by
 signed bytes), an element-wise step that fuses into the quantization producing them.
 
-Preconditions: shapes of W and the last dim of x_q concrete (the leading dims may be symbolic); N % 16 == 0 and
-K % 4 == 0; zero points scalars. A contraction that does not match (a nonzero weight zero point, a weight
+Preconditions: shapes of W and the last dim of x_q concrete (the leading dims may be symbolic); N and K whole
+panels of the packing (VNNI: N % 16 == 0 and K % 4 == 0; widened: N % 8, K % 2); zero points scalars. A contraction that does not match (a nonzero weight zero point, a weight
 computed at run time) keeps the frontend's generic int32 or float matmul: same results, slower.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
-from tvmdm.transform.int8_kernels import column_sums, int8_fits, int8_gemm_func, pack_int8_weight
+from tvmdm.transform.int8_kernels import VNNI, WIDE, Int8Packing, column_sums, int8_gemm_func
 from tvmdm.transform.ir import bindings_of, call_op, function_pass, rewritten
 
 
@@ -80,7 +81,7 @@ def _dequantized(expr, bindings: dict, per_column: bool = False):
     return tuple(value.args)
 
 
-def _int8_gemm(x, x_zp, w, w_zp, bindings: dict, scale=None) -> Int8Gemm | None:
+def _int8_gemm(x, x_zp, w, w_zp, bindings: dict, packing: Int8Packing, scale=None) -> Int8Gemm | None:
     """The plan of x (int8 / uint8 activations, a scalar zero point) times the weight ``w``, when ``w`` is a 2-D
     int8 constant of whole panels with zero point 0; else None."""
     weight = _constant(w, bindings)
@@ -88,12 +89,12 @@ def _int8_gemm(x, x_zp, w, w_zp, bindings: dict, scale=None) -> Int8Gemm | None:
     dims = x.ty.shape.values
     if weight is None or weight.dtype != np.int8 or weight.ndim != 2 or w_zero is None or np.any(w_zero != 0) \
             or x.ty.dtype not in ("uint8", "int8") or x_zp.ty.dtype != x.ty.dtype or \
-            len(x_zp.ty.shape.values) != 0 or not isinstance(dims[-1], tirx.IntImm) or not int8_fits(*weight.shape):
+            len(x_zp.ty.shape.values) != 0 or not isinstance(dims[-1], tirx.IntImm) or not packing.fits(*weight.shape):
         return None
     return Int8Gemm(x, x_zp, weight, scale)
 
 
-def _plan(func: relax.Function) -> dict:
+def _plan(func: relax.Function, packing: Int8Packing) -> dict:
     """var -> Int8Gemm for every quantized matmul the rewrite takes (see the module doc)."""
     bindings = bindings_of(func)
     targets = {}
@@ -106,24 +107,26 @@ def _plan(func: relax.Function) -> dict:
             left = _widened(x, bindings, "uint8") or _widened(x, bindings, "int8")
             right = _widened(w, bindings, "int8")
             if left is not None and right is not None and left[1] is not None:
-                plan = _int8_gemm(*left, *right, bindings)
+                plan = _int8_gemm(*left, *right, bindings, packing)
         else:  # QDQ
             left, right = _dequantized(value.args[0], bindings), _dequantized(value.args[1], bindings, True)
             if left is not None and right is not None:
-                plan = _int8_gemm(left[0], left[2], right[0], right[2], bindings, scale=(left[1], right[1]))
+                plan = _int8_gemm(left[0], left[2], right[0], right[2], bindings, packing, scale=(left[1], right[1]))
         if plan is not None:
             targets[var] = plan
     return targets
 
 
-def int8_contractions() -> tvm.transform.Pass:
+def int8_contractions(widened: bool = False) -> tvm.transform.Pass:
     """matmul(x_q - x_zp, W - 0) of a quantized model (or its QDQ form) -> int8_gemm(x_q, x_zp, pack(W), colsum(W))
-    in every Relax function; see the module doc. A model without such contractions is returned unchanged."""
-    return function_pass("tvmdm.Int8Contractions", _rewrite_function)
+    in every Relax function; see the module doc. ``widened``: the weights packed for vpmaddwd (a CPU without
+    VNNI: int16 pairs) instead of vpdpbusd's quads. A model without such contractions is returned unchanged."""
+    packing = WIDE if widened else VNNI
+    return function_pass("tvmdm.Int8Contractions", lambda mod, name: _rewrite_function(mod, name, packing))
 
 
-def _rewrite_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
-    targets = _plan(mod[name])
+def _rewrite_function(mod: tvm.IRModule, name: str, packing: Int8Packing) -> tvm.IRModule:
+    targets = _plan(mod[name], packing)
     if not targets:
         return mod
 
@@ -141,8 +144,8 @@ def _rewrite_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
                 x, zero_point = (bb.emit(relax.op.astype(relax.op.add(relax.op.astype(v, "int32"),
                                                                       relax.const(128, "int32")), "uint8"))
                                  for v in (x, zero_point))
-            gemm = bb.add_func(int8_gemm_func(lead, k, n), "int8_gemm")
-            args = [x, zero_point, relax.const(pack_int8_weight(target.weight)),
+            gemm = bb.add_func(int8_gemm_func(lead, k, n, packing), "int8_gemm")
+            args = [x, zero_point, relax.const(packing.pack(target.weight)),
                     relax.const(column_sums(target.weight))]
             out = bb.emit(relax.call_tir(gemm, args, relax.TensorType(lead + [n], "int32")))
             if target.scale is not None:  # QDQ: the dequantize of the product
