@@ -19,7 +19,8 @@ from tvmdm.core.extras import require
 from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT
 from tvmdm.analysis.profile import kernel_flops
 
-CONTRACTION_OPS = {"matmul", "einsum", "dense", "conv1d", "conv2d", "batch_matmul"}
+CONTRACTION_OPS = {"matmul", "einsum", "dense", "conv1d", "conv2d", "batch_matmul",
+                   "int8_gemm", "bf16_gemm", "packed_gemm"}  # (our rewrites' contractions: tvmdm.transform.kernels)
 NORMALIZATION_OPS = {"softmax", "fast_softmax", "layer_norm", "log_softmax", "group_norm", "rms_norm", "mean", "variance", "sum",
                      "max", "min", "std", "batch_norm"}
 CLASSES = ("tensor contraction", "statistical normalization", "element-wise")
