@@ -13,11 +13,16 @@ stack, from which the fused epilogue (bias, GELU, residual, the next operator's 
 it is in L1. Units run in parallel over the cores; each unit loads the tile configuration itself (a thread's
 tile state is its own) and releases it at its end.
 
+The int8 contractions of quantized models (schedules.int8) take the same units on AMX-INT8: ``tdpbusd``
+multiplies a 16 x 64 uint8 activation tile by a 16 (k quads) x 16 x 4 int8 weight tile (vpdpbusd's packing,
+[N/16, K/4, 16, 4]: again 1 KiB per B tile) into int32 accumulators, K in steps of 64 (``TileOp``).
+
 A process must ask Linux for the tile data state before its first tile instruction (tvmdm.runtime.amx);
-modules built with these kernels do so when they load.
+modules built with these kernels do so when they load (``AMX_ATTR`` marks them).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -30,7 +35,8 @@ from tvm.script import tirx as T
 from schedules.default import inline_elementwise
 from schedules.packed import epilogue_into_tile, has_block
 from schedules.bf16 import has_bf16_dot
-from schedules.rule import FLOPS_ATTR, RULE_ATTR, ScheduleRule
+from schedules.rule import FLOPS_ATTR, ScheduleRule
+from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, QUAD
 from tvmdm.transform.kernels import GEMM_BLOCK, LANES, PAIR, bf16_value
 
 CPU_FEATURE = "amx-bf16"  # LLVM's name; /proc/cpuinfo says amx_bf16
@@ -39,10 +45,37 @@ TILE_BYTES = 64  # bytes per tile row: 32 bf16 or 16 fp32
 BLOCK = 2 * TILE_ROWS  # columns of a block (2 accumulator tiles wide), and its rows where they divide by 32
 K_STEP = TILE_BYTES // 2  # bf16 values of K per activation tile row
 GROUPS = (4, 2, 1)  # blocks of rows per unit, the largest that divides the rows
+AMX_ATTR = "tvmdm.amx"  # a kernel on the tile units (not emulated)
 EMULATE = False  # tests: every tile instruction as the loops it stands for (see amx_intrin), on any CPU
 
 # Tile numbers: four accumulators (block row i, column j -> 2i + j), two activation tiles, two weight tiles.
 ACC, A_TILES, B_TILES = (0, 1, 2, 3), (4, 5), (6, 7)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileOp:
+    """One kind of tile product: activations of ``a_dtype`` (``a_bytes`` each) times weights packed as
+    [N/16, K/group, 16, group] of ``w_dtype`` into ``acc_dtype`` accumulators by ``instruction``; ``value``
+    turns an element into the accumulator type; ``block``: the contraction block the rule schedules."""
+    instruction: str
+    block: str
+    a_dtype: str
+    w_dtype: str
+    acc_dtype: str
+    group: int
+    value: object
+
+    @property
+    def a_bytes(self) -> int:
+        return 2 if self.a_dtype == "uint16" else 1
+
+    @property
+    def k_step(self) -> int:  # K per activation tile row (64 bytes)
+        return TILE_BYTES // self.a_bytes
+
+
+BF16_TILES = TileOp("tdpbf16ps", GEMM_BLOCK, "uint16", "uint16", "float32", PAIR, bf16_value)
+INT8_TILES = TileOp("tdpbusd", INT8_GEMM_BLOCK, "uint8", "int8", "int32", QUAD, lambda v: v.astype("int32"))
 
 
 def tile_config_words() -> list[int]:
@@ -68,47 +101,48 @@ def _intrin(name: str, *args):
 
 
 @functools.lru_cache(maxsize=None)
-def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = False) -> str:
+def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = False, op: TileOp = BF16_TILES) -> str:
     """Register (once) and name the tensor intrinsic of one unit: ``groups`` blocks of ``block_rows`` (32, or
-    16: one activation tile and two accumulators) x 32 columns over K = ``k`` (a multiple of 32). ``emulate``: each tile instruction replaced by the loops it stands for
-    (what the tile units compute, on any CPU): tests check the kernels' tiles and addresses with it where
-    there is no AMX."""
+    16: one activation tile and two accumulators) x 32 columns over K = ``k`` (a multiple of ``op.k_step``) with
+    ``op``'s tile product. ``emulate``: each tile instruction replaced by the loops it stands for (what the
+    tile units compute, on any CPU): tests check the kernels' tiles and addresses with it where there is no
+    AMX."""
     rows = block_rows * groups
     a_count = block_rows // TILE_ROWS  # activation tiles per block; accumulators: 2 per activation tile
-    half = k // PAIR
+    half, group, k_step = k // op.group, op.group, op.k_step
     words = tile_config_words()
-    name = f"tvmdm_amx_bf16_{block_rows}x{groups}x{BLOCK}x{k}" + ("_emulated" if emulate else "")
+    name = f"tvmdm_amx_{op.instruction}_{block_rows}x{groups}x{BLOCK}x{k}" + ("_emulated" if emulate else "")
 
     @T.prim_func(s_tir=True)
-    def desc(a: T.Buffer((rows, k), "uint16", offset_factor=1),
-             w: T.Buffer((2, half, LANES, PAIR), "uint16", offset_factor=1),
-             c: T.Buffer((rows, BLOCK), "float32", offset_factor=1, scope="local")):
+    def desc(a: T.Buffer((rows, k), op.a_dtype, offset_factor=1),
+             w: T.Buffer((2, half, LANES, group), op.w_dtype, offset_factor=1),
+             c: T.Buffer((rows, BLOCK), op.acc_dtype, offset_factor=1, scope="local")):
         with T.sblock("root"):
-            T.reads(c[0:rows, 0:BLOCK], a[0:rows, 0:k], w[0:2, 0:half, 0:LANES, 0:PAIR])
+            T.reads(c[0:rows, 0:BLOCK], a[0:rows, 0:k], w[0:2, 0:half, 0:LANES, 0:group])
             T.writes(c[0:rows, 0:BLOCK])
             for i, j, r in T.grid(rows, BLOCK, k):
                 with T.sblock("update"):
                     vi, vj, vr = T.axis.remap("SSR", [i, j, r])
-                    c[vi, vj] = c[vi, vj] + bf16_value(a[vi, vr]) * bf16_value(
-                        w[vj // LANES, vr // PAIR, vj % LANES, vr % PAIR])
+                    c[vi, vj] = c[vi, vj] + op.value(a[vi, vr]) * op.value(
+                        w[vj // LANES, vr // group, vj % LANES, vr % group])
 
     @T.prim_func(s_tir=True)
     def impl(a_handle: T.handle, w_handle: T.handle, c_handle: T.handle):
         a_stride = T.int32()
         w_stride = T.int32()
         c_stride = T.int32()
-        a = T.match_buffer(a_handle, (rows, k), "uint16", offset_factor=1, strides=[a_stride, 1])
-        w = T.match_buffer(w_handle, (2, half, LANES, PAIR), "uint16", offset_factor=1,
-                           strides=[w_stride, LANES * PAIR, PAIR, 1])
-        c = T.match_buffer(c_handle, (rows, BLOCK), "float32", offset_factor=1, scope="local",
+        a = T.match_buffer(a_handle, (rows, k), op.a_dtype, offset_factor=1, strides=[a_stride, 1])
+        w = T.match_buffer(w_handle, (2, half, LANES, group), op.w_dtype, offset_factor=1,
+                           strides=[w_stride, LANES * group, group, 1])
+        c = T.match_buffer(c_handle, (rows, BLOCK), op.acc_dtype, offset_factor=1, scope="local",
                            strides=[c_stride, 1])
         with T.sblock("root"):
-            T.reads(c[0:rows, 0:BLOCK], a[0:rows, 0:k], w[0:2, 0:half, 0:LANES, 0:PAIR])
+            T.reads(c[0:rows, 0:BLOCK], a[0:rows, 0:k], w[0:2, 0:half, 0:LANES, 0:group])
             T.writes(c[0:rows, 0:BLOCK])
             # emulate: the same tiles in local buffers, each tile instruction as the loops it stands for
-            acc_tiles = T.decl_buffer((2 * a_count, TILE_ROWS, LANES), "float32", scope="local")
-            a_tiles = T.decl_buffer((a_count, TILE_ROWS, K_STEP), "uint16", scope="local")
-            b_tiles = T.decl_buffer((2, TILE_ROWS, LANES, PAIR), "uint16", scope="local")
+            acc_tiles = T.decl_buffer((2 * a_count, TILE_ROWS, LANES), op.acc_dtype, scope="local")
+            a_tiles = T.decl_buffer((a_count, TILE_ROWS, k_step), op.a_dtype, scope="local")
+            b_tiles = T.decl_buffer((2, TILE_ROWS, LANES, group), op.w_dtype, scope="local")
             config = T.decl_buffer((8,), "uint64", scope="local")
             if not emulate:
                 for word in T.unroll(8):
@@ -127,29 +161,29 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
                         T.evaluate(_intrin("tileloadd64", T.int8(t), c.access_ptr(
                             "r", offset=(g * block_rows + t // 2 * TILE_ROWS) * c_stride + t % 2 * LANES),
                             T.int64(c_stride * 4)))
-                for step in range(k // K_STEP):
+                for step in range(k // k_step):
                     for t in T.unroll(a_count):  # activation rows t * 16.., K step * 32..
                         if emulate:
-                            for r, x in T.grid(TILE_ROWS, K_STEP):
-                                a_tiles[t, r, x] = a[g * block_rows + t * TILE_ROWS + r, step * K_STEP + x]
+                            for r, x in T.grid(TILE_ROWS, k_step):
+                                a_tiles[t, r, x] = a[g * block_rows + t * TILE_ROWS + r, step * k_step + x]
                         else:
                             T.evaluate(_intrin("tileloadd64", T.int8(A_TILES[0] + t), a.access_ptr(
-                                "r", offset=(g * block_rows + t * TILE_ROWS) * a_stride + step * K_STEP),
-                                T.int64(a_stride * 2)))
-                    for t in T.unroll(2):  # weight columns t * 16.., k pairs step * 16..
+                                "r", offset=(g * block_rows + t * TILE_ROWS) * a_stride + step * k_step),
+                                T.int64(a_stride * op.a_bytes)))
+                    for t in T.unroll(2):  # weight columns t * 16.., k groups step * 16..
                         if emulate:
-                            for r, x, p in T.grid(TILE_ROWS, LANES, PAIR):
+                            for r, x, p in T.grid(TILE_ROWS, LANES, group):
                                 b_tiles[t, r, x, p] = w[t, step * TILE_ROWS + r, x, p]
                         else:
                             T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t), w.access_ptr(
-                                "r", offset=t * w_stride + step * TILE_ROWS * LANES * PAIR), T.int64(TILE_BYTES)))
+                                "r", offset=t * w_stride + step * TILE_ROWS * LANES * group), T.int64(TILE_BYTES)))
                     for t in T.unroll(2 * a_count):
-                        if emulate:  # tdpbf16ps: C[m, n] += sum over pairs j of A[m, 2j + p] * B[j, n, p]
-                            for m, x, j, p in T.grid(TILE_ROWS, LANES, TILE_ROWS, PAIR):
-                                acc_tiles[t, m, x] = acc_tiles[t, m, x] + bf16_value(
-                                    a_tiles[t // 2, m, j * PAIR + p]) * bf16_value(b_tiles[t % 2, j, x, p])
+                        if emulate:  # C[m, n] += sum over groups j of A[m, group * j + p] * B[j, n, p]
+                            for m, x, j, p in T.grid(TILE_ROWS, LANES, TILE_ROWS, group):
+                                acc_tiles[t, m, x] = acc_tiles[t, m, x] + op.value(
+                                    a_tiles[t // 2, m, j * group + p]) * op.value(b_tiles[t % 2, j, x, p])
                         else:
-                            T.evaluate(_intrin("tdpbf16ps", T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
+                            T.evaluate(_intrin(op.instruction, T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
                                                T.int8(B_TILES[0] + t % 2)))
                 for t in T.unroll(2 * a_count):
                     if emulate:
@@ -166,26 +200,27 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
     return name
 
 
-def tile_block_rows(rows: int, n: int, k: int) -> int | None:
-    """The rows of a block for a contraction of ``rows`` rows (its last leading dim), N and K: 32, or 16 where
-    the rows only divide by 16; None where whole tiles do not fit."""
-    if n % BLOCK or k % K_STEP:
+def tile_block_rows(rows: int, n: int, k: int, k_step: int = K_STEP) -> int | None:
+    """The rows of a block for a contraction of ``rows`` rows (its last leading dim), N and K (in steps of
+    ``k_step``): 32, or 16 where the rows only divide by 16; None where whole tiles do not fit."""
+    if n % BLOCK or k % k_step:
         return None
     return next((r for r in (BLOCK, TILE_ROWS) if rows % r == 0), None)
 
 
-def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False) -> tirx.PrimFunc | None:
-    """The tile schedule for a kernel holding a ``bf16_gemm`` block (and fused epilogues); None where its
-    shape does not fill whole blocks (symbolic rows, rows, N or K off the block size)."""
+def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False, op: TileOp = BF16_TILES) -> tirx.PrimFunc | None:
+    """The tile schedule for a kernel holding ``op``'s contraction block (``bf16_gemm``, or ``int8_gemm`` on
+    vpdpbusd's packing; and fused epilogues); None where its shape does not fill whole blocks (symbolic rows,
+    rows, N or K off the block size)."""
     sch = Schedule(func)
     inline_elementwise(sch, sch.get_sblock("root"))
-    gemm = sch.get_sblock(GEMM_BLOCK)
+    gemm = sch.get_sblock(op.block)
     *outer, m, n, k = sch.get_loops(gemm)
     extents = [sch.get(x).extent for x in (m, n, k)]
     if not all(isinstance(e, tirx.IntImm) for e in extents):
         return None
     m_extent, n_extent, k_extent = (int(e) for e in extents)
-    rows = tile_block_rows(m_extent, n_extent, k_extent)
+    rows = tile_block_rows(m_extent, n_extent, k_extent, op.k_step)
     if rows is None:
         return None
     groups = next(g for g in GROUPS if m_extent % (rows * g) == 0)
@@ -198,9 +233,9 @@ def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False) -> tirx.PrimFu
     sch.reverse_compute_at(acc, unit)
     init = sch.decompose_reduction(gemm, mi)
     sch.vectorize(sch.get_loops(init)[-1])
-    sch.tensorize(mi, amx_intrin(k_extent, groups, rows, emulate))
+    sch.tensorize(mi, amx_intrin(k_extent, groups, rows, emulate, op))
     epilogue_into_tile(sch, acc, unit, LANES)
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr(AMX_ATTR, not emulate)
 
 
 class AmxContractions(ScheduleRule):
@@ -231,5 +266,12 @@ class AmxContractions(ScheduleRule):
 
 def uses_amx(mod: tvm.IRModule) -> bool:
     """Whether a scheduled module has kernels on the tile units (its process must ask for the tile state)."""
-    return not EMULATE and any(isinstance(f, tirx.PrimFunc) and f.attrs and str(f.attrs.get(RULE_ATTR, "")) ==
-                               AmxContractions.name for _, f in mod.functions_items())
+    return any(isinstance(f, tirx.PrimFunc) and f.attrs and bool(f.attrs.get(AMX_ATTR, False))
+               for _, f in mod.functions_items())
+
+
+def has_amx_int8(target: tvm.target.Target) -> bool:
+    """Whether ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has the AMX-INT8 tile units."""
+    from tvm.target import codegen
+
+    return target.kind.name == "llvm" and bool(codegen.target_has_features("amx-int8", target))

@@ -24,6 +24,8 @@ from tvm.s_tir import Schedule, TensorIntrin
 from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.script import tirx as T
 
+from schedules import amx
+from schedules.amx import has_amx_int8
 from schedules.bf16 import schedule_dot_gemm
 from schedules.packed import has_block
 from schedules.rule import FLOPS_ATTR, ScheduleRule
@@ -130,8 +132,8 @@ def _packing_of(func: tirx.PrimFunc):
 
 class Int8Contractions(ScheduleRule):
     """Every kernel with an int8_gemm block (a quantized model's contractions, made by tvmdm.transform.
-    quantized) on its micro-kernel: vpdpbusd where the CPU has AVX512-VNNI, else vpmaddwd on int16 pairs (one
-    warning says so)."""
+    quantized) on the tile units where the CPU has AMX-INT8 and the shape fills whole tiles (schedules.amx),
+    else on vpdpbusd where it has AVX512-VNNI, else on vpmaddwd with int16 pairs (one warning says so)."""
 
     name = "int8 contractions"
 
@@ -148,5 +150,9 @@ class Int8Contractions(ScheduleRule):
         if packing is None:
             return None
         flops = int(estimate_tir_flops(tvm.IRModule({"main": func})))
-        scheduled = schedule_int8_gemm(func) if packing is VNNI else schedule_int8_gemm_widened(func)
+        scheduled = None
+        if packing is VNNI and (has_amx_int8(options.target) or amx.EMULATE):  # whole tiles: on AMX-INT8
+            scheduled = amx.schedule_amx_gemm(func, emulate=amx.EMULATE, op=amx.INT8_TILES)
+        if scheduled is None:
+            scheduled = schedule_int8_gemm(func) if packing is VNNI else schedule_int8_gemm_widened(func)
         return scheduled.with_attr(FLOPS_ATTR, flops)

@@ -171,3 +171,28 @@ def test_tile_state_request_where_the_host_has_amx():
         pytest.skip("this CPU has no AMX: Linux would refuse the tile state (tested where it has)")
     amx_runtime.request_tile_state()  # no error; asking twice is asking once
     amx_runtime.request_tile_state()
+
+
+def test_int8_contractions_on_amx_int8_tiles_for_sapphire_rapids_and_emulated_here(monkeypatch):
+    # a quantized model's contractions (schedules.int8) on tdpbusd where the shape fills whole tiles: u8
+    # activation tiles of 64 bytes a row, int8 weights in vpdpbusd's packing [N/16, K/4, 16, 4], int32 tiles
+    from tests.helpers.quantized import int8_matmul_model
+
+    model, shapes = int8_matmul_model(128, 64), {"x": [2, 32, 128]}
+    compiled = tvmdm.compile(model, shapes=shapes, target=SPR.target(), tuning_logs=None)
+    asm = asm_of(compiled)
+    assert compiled.uses_amx and asm.count("ldtilecfg") == asm.count("tilerelease") == 1
+    assert "tdpbusd" in asm and "vpdpbusd" not in asm and "tdpbf16ps" not in asm
+    (kernel,) = [k for k in compiled.kernels if "int8_gemm" in k]
+    script = compiled.mod[kernel].script()
+    assert script.index("T.parallel(") < script.index("llvm.x86.ldtilecfg") < script.index("llvm.x86.tdpbusd")
+    assert re.search(r"T\.Buffer\(\(T\.int64\(4\), T\.int64\(32\), T\.int64\(16\), T\.int64\(4\)\), \"int8\"\)",
+                     script)
+    # symbolic rows do not fill whole tiles: vpdpbusd
+    assert "tdpbusd" not in asm_of(tvmdm.compile(model, target=SPR.target(), tuning_logs=None))
+    monkeypatch.setattr(amx, "EMULATE", True)
+    emulated = tvmdm.compile(model, shapes=shapes, tuning_logs=None)
+    assert not emulated.uses_amx and "b_tiles" in emulated.mod[kernel].script()  # the tiles, as loops
+    x = {"x": np.random.default_rng(0).standard_normal((2, 32, 128)).astype(np.float32)}
+    result = emulated.check(x, atol=1e-5, rtol=1e-5)
+    assert result.ok, str(result)
