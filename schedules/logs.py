@@ -5,6 +5,7 @@ import json
 import os
 import warnings
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -53,6 +54,25 @@ def tuned_on_this_cpu(logs_dir, target: tvm.target.Target) -> bool:
     meta = meta_or_warn(logs_dir) if target.kind.name == "llvm" else None
     tuned = _tuned_target(meta, logs_dir)
     return tuned is None or _same_cpu(tuned, target)
+
+
+def token_rows(shapes) -> int | None:
+    """The rows (batch x seq) of a module with these input shapes (a list of dims per input, in order): the
+    first input's dims but its last for a [B, S, H] input, all of them for [B, S] token ids; None where
+    unknown."""
+    dims = next(iter(shapes), None)
+    if not dims or not all(isinstance(d, int) for d in dims):
+        return None
+    return int(np.prod(dims[:-1] if len(dims) >= 3 else dims))
+
+
+def tuned_for_rows(logs_dir, rows: int | None) -> bool:
+    """Whether a log's records were tuned at ``rows`` (meta.json's shapes; None or no meta: taken as yes).
+    A contraction record is for its shape alone: BERT-base at (1, 128) with the records of (8, 128) got the
+    default schedule for every contraction, 383 ms against onnxruntime's 118 (2 Zen 4 cores)."""
+    meta = meta_or_warn(logs_dir)
+    tuned = token_rows(list((meta or {}).get("shapes", {}).values()))
+    return rows is None or tuned is None or tuned == rows
 
 
 def _same_cpu(tuned: tvm.target.Target, target: tvm.target.Target) -> bool:

@@ -40,3 +40,16 @@ def test_make_options_resolves_logs_and_packing(tmp_path):
     packed = make_options("llvm", tuning_logs=[])
     assert packed.packed_lanes in (24, 48) and not packed.records_first
     assert make_options("llvm", tuning_logs=[], precision="bf16").packed_lanes is None  # bf16 has its own kernel
+
+
+def test_shipped_records_serve_the_size_they_were_tuned_at_and_other_sizes_get_packed_contractions():
+    from schedules.logs import token_rows
+    from tests.helpers.cpu_kinds import BY_NAME
+
+    zen4 = BY_NAME["zen4"].target()  # the shipped logs were tuned on a Zen 4 at (8, 128): 1024 rows
+    assert token_rows([[8, 128, 768], [8, 128]]) == token_rows([[8, 128]]) == 1024
+    assert token_rows([["batch", 128]]) is None
+    assert make_options(zen4, rows=1024).packed_lanes is None  # the records' contractions
+    assert make_options(zen4, rows=None).packed_lanes is None
+    # (1, 128): no record of its contractions; the micro-kernel instead of the default schedule (3x slower)
+    assert make_options(zen4, rows=128).packed_lanes == 48

@@ -11,6 +11,7 @@ import tvm
 from tvmdm.build.check import CheckResult, compare_outputs, ort_session
 from tvmdm.build.options import has_symbolic_inputs, make_options
 from tvmdm.build.pipeline import build
+from schedules.logs import token_rows
 from tvmdm.core.errors import ShapeError, TvmdmError
 from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT
 from tvmdm.core.precision import check_precision
@@ -87,7 +88,8 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
         check_static_shapes(imported.mod)
     import_seconds = time.perf_counter() - t0
     options = make_options(target, fusion=fusion, layout=layout, precision=precision, tuning_logs=tuning_logs,
-                           symbolic=has_symbolic_inputs(imported.mod))
+                           symbolic=has_symbolic_inputs(imported.mod),
+                           rows=token_rows([spec.shape for spec in imported.inputs]))
     built = build(imported.mod, options)
     built.timings = {"import": import_seconds, **built.timings}
     log.info("compiled %s for %s: %d/%d kernels tuned, %d by hand; %s", imported.source, options.target_kind,

@@ -18,19 +18,21 @@ def resolve_logs(tuning_logs, target):
     return shipped_logs(target) if isinstance(tuning_logs, str) and tuning_logs == "shipped" else tuning_logs
 
 
-def packed_lanes(tuning_logs, target, precision: str, symbolic: bool = False) -> int | None:
+def packed_lanes(tuning_logs, target, precision: str, symbolic: bool = False, rows: int | None = None) -> int | None:
     """The weight panel width for schedules.packed when the fp32 contractions have no records tuned on this CPU
-    model: no log suits it, the logs were tuned on another model (schedules.logs.tuned_on_this_cpu; their
-    records still serve the other kernels), or the module has symbolic (batch, seq) dims (records are for
-    static shapes only: a symbolic module would fall to the default schedules, ~9x slower on BERT-base). An
-    explicit ``tuning_logs=None`` keeps the plain default schedules, a user's log directory (no meta.json) its
-    own records."""
-    from schedules.logs import tuned_on_this_cpu
+    model at this size: no log suits it, the logs were tuned on another model (schedules.logs.tuned_on_this_cpu;
+    their records still serve the other kernels) or at other (batch x seq) ``rows`` (schedules.logs.
+    tuned_for_rows), or the module has symbolic (batch, seq) dims (records are for static shapes only: a
+    symbolic module would fall to the default schedules, ~9x slower on BERT-base). An explicit
+    ``tuning_logs=None`` keeps the plain default schedules, a user's log directory (no meta.json) its own
+    records."""
+    from schedules.logs import tuned_for_rows, tuned_on_this_cpu
     from schedules.packed import panel_lanes
 
     if target.kind.name != "llvm" or precision != "fp32" or not isinstance(tuning_logs, list):
         return None
-    if not symbolic and any(tuned_on_this_cpu(logs_dir, target) for logs_dir in tuning_logs):
+    if not symbolic and any(tuned_on_this_cpu(logs_dir, target) and tuned_for_rows(logs_dir, rows)
+                            for logs_dir in tuning_logs):
         return None
     return panel_lanes(target)
 
@@ -44,9 +46,10 @@ def has_symbolic_inputs(mod: tvm.IRModule) -> bool:
 
 def make_options(target="llvm", *, fusion: str = DEFAULT_FUSION, layout: str = DEFAULT_LAYOUT,
                  precision: str = "fp32", tuning_logs="shipped", symbolic: bool = False,
-                 training: bool = False) -> Options:
+                 training: bool = False, rows: int | None = None) -> Options:
     """``tuning_logs``: "shipped" (the shipped logs tuned for this target), a directory, a list of them, or None.
-    ``symbolic``: the module has symbolic (batch, seq) dims (no record serves it)."""
+    ``symbolic``: the module has symbolic (batch, seq) dims (no record serves it). ``rows``: its batch x seq
+    (records tuned at another size do not serve its contractions)."""
     from schedules.logs import logs_for_target
 
     tvm_target = target if isinstance(target, tvm.target.Target) else make_target(target)
@@ -63,7 +66,7 @@ def make_options(target="llvm", *, fusion: str = DEFAULT_FUSION, layout: str = D
         kept = logs_for_target([logs] if single else list(logs), tvm_target)
         if not (single and kept):
             logs = kept
-    lanes = packed_lanes(logs, tvm_target, precision, symbolic=symbolic)
+    lanes = packed_lanes(logs, tvm_target, precision, symbolic=symbolic, rows=rows)
     dirs = [logs] if isinstance(logs, (str, os.PathLike)) else list(logs or [])
     return Options(tvm_target, fusion=fusion, layout=layout, precision=precision, training=training,
                    tuning_logs=tuple(os.fspath(d) for d in dirs), packed_lanes=lanes)
