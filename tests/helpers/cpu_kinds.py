@@ -30,7 +30,7 @@ class CpuKind:
     amx: bool  # AMX-BF16's tile units (tdpbf16ps)
     int8_dot: bool  # AVX512-VNNI's vpdpbusd
     logs_apply: bool  # the shipped logs (tuned on a Zen 4 with AVX-512) fit its vector width
-    packed: bool  # fp32 contractions take schedules.packed (no shipped log tuned on this CPU model)
+    packed: bool  # fp32 contractions take schedules.packed at the records' size (no log tuned on this CPU model)
 
     def target(self) -> tvm.target.Target:
         return tvm.target.Target(llvm_target(self.llvm_cpu, host_flags(os.path.join(CPUINFO, self.name)),
