@@ -31,31 +31,40 @@ CPU_FEATURE = "avx512bf16"  # LLVM's name; /proc/cpuinfo says avx512_bf16
 K_BLOCK = 256  # accumulate over this much of K before moving on (the tile's operands stay in L1/L2)
 
 
-@T.prim_func(s_tir=True)
-def _dot_desc(a: T.Buffer((PAIR,), "uint16", offset_factor=1), w: T.Buffer((LANES, PAIR), "uint16", offset_factor=1),
-              c: T.Buffer((LANES,), "float32", offset_factor=1, scope="local")):
-    with T.sblock("root"):
-        T.reads(c[0:LANES], a[0:PAIR], w[0:LANES, 0:PAIR])
-        T.writes(c[0:LANES])
-        for i, k in T.grid(LANES, PAIR):
-            with T.sblock("update"):
-                vi, vk = T.axis.remap("SR", [i, k])
-                c[vi] = c[vi] + bf16_value(a[vk]) * bf16_value(w[vi, vk])
+def register_dot_intrin(name: str, a_dtype: str, w_dtype: str, acc_dtype: str, lanes: int, group: int, value,
+                        product) -> str:
+    """Register the tensor intrinsic ``name`` of one dot-product instruction: ``lanes`` accumulators of
+    ``acc_dtype`` each add ``group`` products of one activation row's ``group`` values (``a_dtype``, broadcast)
+    by a packed weight tile [lanes, group] of ``w_dtype``, each element read as ``value(element)``; the
+    instruction is ``product(a, w, c)``, the new accumulator vector."""
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.Buffer((group,), a_dtype, offset_factor=1), w: T.Buffer((lanes, group), w_dtype, offset_factor=1),
+             c: T.Buffer((lanes,), acc_dtype, offset_factor=1, scope="local")):
+        with T.sblock("root"):
+            T.reads(c[0:lanes], a[0:group], w[0:lanes, 0:group])
+            T.writes(c[0:lanes])
+            for i, k in T.grid(lanes, group):
+                with T.sblock("update"):
+                    vi, vk = T.axis.remap("SR", [i, k])
+                    c[vi] = c[vi] + value(a[vk]) * value(w[vi, vk])
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.Buffer((group,), a_dtype, offset_factor=1), w: T.Buffer((lanes, group), w_dtype, offset_factor=1),
+             c: T.Buffer((lanes,), acc_dtype, offset_factor=1, scope="local")):
+        with T.sblock("root"):
+            T.reads(c[0:lanes], a[0:group], w[0:lanes, 0:group])
+            T.writes(c[0:lanes])
+            c[T.ramp(T.int32(0), 1, lanes)] = product(a, w, c)
+
+    TensorIntrin.register(name, desc, impl, override=True)
+    return name
 
 
-@T.prim_func(s_tir=True)
-def _dot_impl(a: T.Buffer((PAIR,), "uint16", offset_factor=1), w: T.Buffer((LANES, PAIR), "uint16", offset_factor=1),
-              c: T.Buffer((LANES,), "float32", offset_factor=1, scope="local")):
-    with T.sblock("root"):
-        T.reads(c[0:LANES], a[0:PAIR], w[0:LANES, 0:PAIR])
-        T.writes(c[0:LANES])
-        pair = T.reinterpret(a.vload([0], "uint16x2"), dtype="int32")
-        c[T.ramp(T.int32(0), 1, LANES)] = T.call_pure_extern(
-            "float32x16", DPBF16PS_FUNCTION, c.vload([0], "float32x16"), T.broadcast(pair, LANES),
-            T.reinterpret(w.vload([0, 0], "uint16x32"), dtype="int32x16"))
-
-
-TensorIntrin.register(INTRIN, _dot_desc, _dot_impl, override=True)
+register_dot_intrin(INTRIN, "uint16", "uint16", "float32", LANES, PAIR, bf16_value, lambda a, w, c: T.call_pure_extern(
+    "float32x16", DPBF16PS_FUNCTION, c.vload([0], "float32x16"),
+    T.broadcast(T.reinterpret(a.vload([0], "uint16x2"), dtype="int32"), LANES),
+    T.reinterpret(w.vload([0, 0], "uint16x32"), dtype="int32x16")))
 
 
 def has_bf16_dot(target: tvm.target.Target) -> bool:

@@ -6,13 +6,22 @@
 # rejects the call). So the kernels call this LLVM function on int32 vectors holding the bf16 pairs; it is linked
 # into the module through the ``pragma_import_llvm`` loop annotation and inlined (alwaysinline).
 DPBF16PS_FUNCTION = "tvmdm_dpbf16ps"
-DPBF16PS_LLVM = r"""
-define internal <16 x float> @tvmdm_dpbf16ps(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) #0 {
-  %ab = bitcast <16 x i32> %a to <32 x bfloat>
-  %bb = bitcast <16 x i32> %b to <32 x bfloat>
-  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %ab, <32 x bfloat> %bb)
-  ret <16 x float> %r
-}
-declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
-attributes #0 = { alwaysinline nounwind "target-features"="+avx512f,+avx512bf16" }
+
+
+def llvm_dot_function(name: str, intrinsic: str, acc: str, operand: str, features: str) -> str:
+    """An LLVM function ``name``(acc, a, b) on <16 x i32> operands, bitcast to the ``operand`` vectors the x86
+    ``intrinsic`` takes, for TIR to call (call_pure_extern) where call_llvm_pure_intrin cannot reach it."""
+    return f"""
+define internal {acc} @{name}({acc} %acc, <16 x i32> %a, <16 x i32> %b) #0 {{
+  %ab = bitcast <16 x i32> %a to {operand}
+  %bb = bitcast <16 x i32> %b to {operand}
+  %r = call {acc} @{intrinsic}({acc} %acc, {operand} %ab, {operand} %bb)
+  ret {acc} %r
+}}
+declare {acc} @{intrinsic}({acc}, {operand}, {operand})
+attributes #0 = {{ alwaysinline nounwind "target-features"="{features}" }}
 """
+
+
+DPBF16PS_LLVM = llvm_dot_function(DPBF16PS_FUNCTION, "llvm.x86.avx512bf16.dpbf16ps.512", "<16 x float>",
+                                  "<32 x bfloat>", "+avx512f,+avx512bf16")

@@ -20,13 +20,14 @@ import warnings
 
 import tvm
 from tvm import tirx
-from tvm.s_tir import Schedule, TensorIntrin
+from tvm.s_tir import Schedule
 from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.script import tirx as T
 
 from schedules import amx
 from schedules.amx import has_amx_int8
-from schedules.bf16 import schedule_dot_gemm
+from schedules.bf16 import register_dot_intrin, schedule_dot_gemm
+from schedules.dpbf16ps import llvm_dot_function
 from schedules.packed import has_block
 from schedules.rule import FLOPS_ATTR, ScheduleRule
 from tvmdm.core.target import has_int8_dot
@@ -35,75 +36,29 @@ from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, INT8_LANES as LANES, Q
 INTRIN = "tvmdm_dot_16x4_u8s8"
 K_BLOCK = 512  # accumulate over this much of K before moving on (as the bf16 kernel's 256: the same bytes)
 DPBUSD_FUNCTION = "tvmdm_dpbusd"
-DPBUSD_LLVM = r"""
-define internal <16 x i32> @tvmdm_dpbusd(<16 x i32> %acc, <16 x i32> %a, <16 x i32> %b) #0 {
-  %ab = bitcast <16 x i32> %a to <64 x i8>
-  %bb = bitcast <16 x i32> %b to <64 x i8>
-  %r = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> %acc, <64 x i8> %ab, <64 x i8> %bb)
-  ret <16 x i32> %r
-}
-declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)
-attributes #0 = { alwaysinline nounwind "target-features"="+avx512f,+avx512vnni" }
-"""
+DPBUSD_LLVM = llvm_dot_function(DPBUSD_FUNCTION, "llvm.x86.avx512.vpdpbusd.512", "<16 x i32>", "<64 x i8>",
+                                "+avx512f,+avx512vnni")
 
 
-@T.prim_func(s_tir=True)
-def _dot_desc(a: T.Buffer((QUAD,), "uint8", offset_factor=1), w: T.Buffer((LANES, QUAD), "int8", offset_factor=1),
-              c: T.Buffer((LANES,), "int32", offset_factor=1, scope="local")):
-    with T.sblock("root"):
-        T.reads(c[0:LANES], a[0:QUAD], w[0:LANES, 0:QUAD])
-        T.writes(c[0:LANES])
-        for i, k in T.grid(LANES, QUAD):
-            with T.sblock("update"):
-                vi, vk = T.axis.remap("SR", [i, k])
-                c[vi] = c[vi] + T.Cast("int32", a[vk]) * T.Cast("int32", w[vi, vk])
+def _widened(v):
+    return T.Cast("int32", v)
 
 
-@T.prim_func(s_tir=True)
-def _dot_impl(a: T.Buffer((QUAD,), "uint8", offset_factor=1), w: T.Buffer((LANES, QUAD), "int8", offset_factor=1),
-              c: T.Buffer((LANES,), "int32", offset_factor=1, scope="local")):
-    with T.sblock("root"):
-        T.reads(c[0:LANES], a[0:QUAD], w[0:LANES, 0:QUAD])
-        T.writes(c[0:LANES])
-        quad = T.reinterpret(a.vload([0], "uint8x4"), dtype="int32")
-        c[T.ramp(T.int32(0), 1, LANES)] = T.call_pure_extern(
-            "int32x16", DPBUSD_FUNCTION, c.vload([0], "int32x16"), T.broadcast(quad, LANES),
-            T.reinterpret(w.vload([0, 0], "int8x64"), dtype="int32x16"))
-
-
-TensorIntrin.register(INTRIN, _dot_desc, _dot_impl, override=True)
+register_dot_intrin(INTRIN, "uint8", "int8", "int32", LANES, QUAD, _widened, lambda a, w, c: T.call_pure_extern(
+    "int32x16", DPBUSD_FUNCTION, c.vload([0], "int32x16"),
+    T.broadcast(T.reinterpret(a.vload([0], "uint8x4"), dtype="int32"), LANES),
+    T.reinterpret(w.vload([0, 0], "int8x64"), dtype="int32x16")))
 
 WIDE_INTRIN = "tvmdm_dot_8x2_u8s16"
 PAIR, WIDE_LANES = 2, 8
 
 
-@T.prim_func(s_tir=True)
-def _wide_desc(a: T.Buffer((PAIR,), "uint8", offset_factor=1),
-               w: T.Buffer((WIDE_LANES, PAIR), "int16", offset_factor=1),
-               c: T.Buffer((WIDE_LANES,), "int32", offset_factor=1, scope="local")):
-    with T.sblock("root"):
-        T.reads(c[0:WIDE_LANES], a[0:PAIR], w[0:WIDE_LANES, 0:PAIR])
-        T.writes(c[0:WIDE_LANES])
-        for i, k in T.grid(WIDE_LANES, PAIR):
-            with T.sblock("update"):
-                vi, vk = T.axis.remap("SR", [i, k])
-                c[vi] = c[vi] + T.Cast("int32", a[vk]) * T.Cast("int32", w[vi, vk])
-
-
-@T.prim_func(s_tir=True)
-def _wide_impl(a: T.Buffer((PAIR,), "uint8", offset_factor=1),
-               w: T.Buffer((WIDE_LANES, PAIR), "int16", offset_factor=1),
-               c: T.Buffer((WIDE_LANES,), "int32", offset_factor=1, scope="local")):
-    with T.sblock("root"):
-        T.reads(c[0:WIDE_LANES], a[0:PAIR], w[0:WIDE_LANES, 0:PAIR])
-        T.writes(c[0:WIDE_LANES])
-        pair = T.reinterpret(T.Cast("int16x2", a.vload([0], "uint8x2")), dtype="int32")
-        c[T.ramp(T.int32(0), 1, WIDE_LANES)] = c.vload([0], "int32x8") + T.call_llvm_pure_intrin(
-            "int32x8", "llvm.x86.avx2.pmadd.wd", T.reinterpret(T.broadcast(pair, WIDE_LANES), dtype="int16x16"),
-            w.vload([0, 0], "int16x16"))
-
-
-TensorIntrin.register(WIDE_INTRIN, _wide_desc, _wide_impl, override=True)
+register_dot_intrin(WIDE_INTRIN, "uint8", "int16", "int32", WIDE_LANES, PAIR, _widened, lambda a, w, c: (
+    c.vload([0], "int32x8") + T.call_llvm_pure_intrin(
+        "int32x8", "llvm.x86.avx2.pmadd.wd",
+        T.reinterpret(T.broadcast(T.reinterpret(T.Cast("int16x2", a.vload([0], "uint8x2")), dtype="int32"),
+                                  WIDE_LANES), dtype="int16x16"),
+        w.vload([0, 0], "int16x16"))))
 
 
 def schedule_int8_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc:

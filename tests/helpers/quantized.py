@@ -21,8 +21,12 @@ def int8_matmul_model(k: int, n: int, w_zero_point: int = 0, seed: int = 0) -> o
              helper.make_node("Mul", ["x_scale", "W_scale"], ["scale"]),
              helper.make_node("Mul", ["acc_f", "scale"], ["product"]),
              helper.make_node("Add", ["product", "bias"], ["y"])]
-    graph = helper.make_graph(nodes, "int8_matmul",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", k])],
+    return _model("int8_matmul", nodes, inits, k, n)
+
+
+def _model(name: str, nodes, inits, k: int, n: int) -> onnx.ModelProto:
+    """x [batch, seq, k] -> y [batch, seq, n] through ``nodes``, checked."""
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -59,10 +63,4 @@ def qdq_matmul_model(k: int, n: int, activation: str = "uint8", per_column: bool
              helper.make_node("DequantizeLinear", ["W", "W_scale", "W_zero_point"], ["W_dq"], axis=1),
              helper.make_node("MatMul", ["x_dq", "W_dq"], ["product"]),
              helper.make_node("Add", ["product", "bias"], ["y"])]
-    graph = helper.make_graph(nodes, "qdq_matmul",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model
+    return _model("qdq_matmul", nodes, inits, k, n)
