@@ -36,7 +36,8 @@ from schedules.default import inline_elementwise
 from schedules.packed import epilogue_into_tile, has_block
 from schedules.bf16 import has_bf16_dot
 from schedules.rule import FLOPS_ATTR, ScheduleRule
-from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, QUAD
+from tvmdm.core.target import cpu_has
+from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, VNNI
 from tvmdm.transform.kernels import GEMM_BLOCK, LANES, PAIR, bf16_value
 
 CPU_FEATURE = "amx-bf16"  # LLVM's name; /proc/cpuinfo says amx_bf16
@@ -75,7 +76,7 @@ class TileOp:
 
 
 BF16_TILES = TileOp("tdpbf16ps", GEMM_BLOCK, "uint16", "uint16", "float32", PAIR, bf16_value)
-INT8_TILES = TileOp("tdpbusd", INT8_GEMM_BLOCK, "uint8", "int8", "int32", QUAD, lambda v: v.astype("int32"))
+INT8_TILES = TileOp("tdpbusd", INT8_GEMM_BLOCK, "uint8", "int8", "int32", VNNI.group, lambda v: v.astype("int32"))
 
 
 def tile_config_words() -> list[int]:
@@ -91,9 +92,7 @@ def tile_config_words() -> list[int]:
 
 def has_amx_bf16(target: tvm.target.Target) -> bool:
     """Whether ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has the AMX-BF16 tile units."""
-    from tvm.target import codegen
-
-    return target.kind.name == "llvm" and bool(codegen.target_has_features(CPU_FEATURE, target))
+    return cpu_has(target, CPU_FEATURE)
 
 
 def _intrin(name: str, *args):
@@ -272,6 +271,4 @@ def uses_amx(mod: tvm.IRModule) -> bool:
 
 def has_amx_int8(target: tvm.target.Target) -> bool:
     """Whether ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has the AMX-INT8 tile units."""
-    from tvm.target import codegen
-
-    return target.kind.name == "llvm" and bool(codegen.target_has_features("amx-int8", target))
+    return cpu_has(target, "amx-int8")

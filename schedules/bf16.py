@@ -24,6 +24,7 @@ from schedules.rule import FLOPS_ATTR, ScheduleRule
 from schedules.packed import epilogue_into_tile, has_block, schedule_tiled_transpose
 from schedules.default import inline_elementwise
 from schedules.dpbf16ps import DPBF16PS_FUNCTION, DPBF16PS_LLVM
+from tvmdm.core.target import cpu_has
 from tvmdm.transform.kernels import GEMM_BLOCK, LANES, PAIR, TRANSPOSED_BLOCK, bf16_value
 
 INTRIN = "tvmdm_dot_16x2_bf16"
@@ -69,9 +70,7 @@ register_dot_intrin(INTRIN, "uint16", "uint16", "float32", LANES, PAIR, bf16_val
 
 def has_bf16_dot(target: tvm.target.Target) -> bool:
     """Whether ``target``'s CPU (its mcpu, as LLVM knows it) has the AVX512-BF16 dot product."""
-    from tvm.target import codegen
-
-    return target.kind.name == "llvm" and bool(codegen.target_has_features(CPU_FEATURE, target))
+    return cpu_has(target, CPU_FEATURE)
 
 
 def _divisor(n: int, choices) -> int:

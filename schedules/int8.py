@@ -29,9 +29,9 @@ from schedules.amx import has_amx_int8
 from schedules.bf16 import register_dot_intrin, schedule_dot_gemm
 from schedules.dpbf16ps import llvm_dot_function
 from schedules.packed import has_block
-from schedules.rule import FLOPS_ATTR, ScheduleRule
+from schedules.rule import DOES_NOT_FIT, FLOPS_ATTR, ScheduleRule
 from tvmdm.core.target import has_int8_dot
-from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, INT8_LANES as LANES, QUAD, VNNI, WIDE
+from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, VNNI, WIDE
 
 INTRIN = "tvmdm_dot_16x4_u8s8"
 K_BLOCK = 512  # accumulate over this much of K before moving on (as the bf16 kernel's 256: the same bytes)
@@ -44,26 +44,25 @@ def _widened(v):
     return T.Cast("int32", v)
 
 
-register_dot_intrin(INTRIN, "uint8", "int8", "int32", LANES, QUAD, _widened, lambda a, w, c: T.call_pure_extern(
+register_dot_intrin(INTRIN, "uint8", "int8", "int32", VNNI.lanes, VNNI.group, _widened, lambda a, w, c: T.call_pure_extern(
     "int32x16", DPBUSD_FUNCTION, c.vload([0], "int32x16"),
-    T.broadcast(T.reinterpret(a.vload([0], "uint8x4"), dtype="int32"), LANES),
+    T.broadcast(T.reinterpret(a.vload([0], "uint8x4"), dtype="int32"), VNNI.lanes),
     T.reinterpret(w.vload([0, 0], "int8x64"), dtype="int32x16")))
 
 WIDE_INTRIN = "tvmdm_dot_8x2_u8s16"
-PAIR, WIDE_LANES = 2, 8
 
 
-register_dot_intrin(WIDE_INTRIN, "uint8", "int16", "int32", WIDE_LANES, PAIR, _widened, lambda a, w, c: (
+register_dot_intrin(WIDE_INTRIN, "uint8", "int16", "int32", WIDE.lanes, WIDE.group, _widened, lambda a, w, c: (
     c.vload([0], "int32x8") + T.call_llvm_pure_intrin(
         "int32x8", "llvm.x86.avx2.pmadd.wd",
         T.reinterpret(T.broadcast(T.reinterpret(T.Cast("int16x2", a.vload([0], "uint8x2")), dtype="int32"),
-                                  WIDE_LANES), dtype="int16x16"),
+                                  WIDE.lanes), dtype="int16x16"),
         w.vload([0, 0], "int16x16"))))
 
 
 def schedule_int8_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """vpdpbusd's micro-kernel (schedules.bf16.schedule_dot_gemm with the u8 x s8 quad intrinsic)."""
-    return schedule_dot_gemm(func, INT8_GEMM_BLOCK, INTRIN, DPBUSD_LLVM, QUAD, K_BLOCK)
+    return schedule_dot_gemm(func, INT8_GEMM_BLOCK, INTRIN, DPBUSD_LLVM, VNNI.group, K_BLOCK)
 
 
 def schedule_int8_gemm_widened(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -77,12 +76,13 @@ def schedule_int8_gemm_widened(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 def _packing_of(func: tirx.PrimFunc):
-    """The weight packing an int8_gemm kernel reads (its int16 weights: WIDE), None without such a block."""
-    if not has_block(func, INT8_GEMM_BLOCK):
-        return None
+    """The weight packing an int8_gemm kernel reads (int16 weights: WIDE), None without such a block."""
     sch = Schedule(func)
-    reads = sch.get(sch.get_sblock(INT8_GEMM_BLOCK)).reads
-    return WIDE if any(r.source.dtype == "int16" for r in reads) else VNNI  # (0.27: regions name .source)
+    try:
+        block = sch.get(sch.get_sblock(INT8_GEMM_BLOCK))
+    except DOES_NOT_FIT:  # get_sblock raises when there is no such block
+        return None
+    return WIDE if any(r.source.dtype == WIDE.dtype for r in block.reads) else VNNI  # (0.27: regions' .source)
 
 
 class Int8Contractions(ScheduleRule):

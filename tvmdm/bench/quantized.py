@@ -3,9 +3,9 @@
 ``--precision int8`` quantizes the model as onnxruntime users do (``quantize_dynamic``, QInt8 weights; a file
 that is already quantized is taken as it is) and adds three systems: tvmdm and onnxruntime on that int8 file,
 and PyTorch's dynamic quantization of the embedded model's HF twin (tvmdm.models.torch_reference, precision
-"int8": every nn.Linear on int8 weights, fbgemm / oneDNN kernels). Quantized systems are held to INT8_MAX_REL_ERR of
-the fp32 reference; when the benchmarked file is itself quantized, every system to INT8_SAME_FILE_REL_ERR of
-onnxruntime on it.
+"int8": every nn.Linear on int8 weights, fbgemm / oneDNN kernels). Quantized systems are held to
+tvmdm.core.precision.INT8_MAX_REL_ERR of the fp32 reference; when the benchmarked file is itself quantized,
+every system to INT8_SAME_FILE_REL_ERR of onnxruntime on it.
 """
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import os
 import tempfile
 
 from tvmdm.core.errors import TvmdmError
-from tvmdm.core.precision import INT8_MAX_REL_ERR, INT8_SAME_FILE_REL_ERR  # noqa: F401 - documented here
 
 # ops that make a file quantized (dynamic, QDQ and QOperator formats)
 QUANTIZED_OPS = {"DynamicQuantizeLinear", "MatMulInteger", "QuantizeLinear", "DequantizeLinear", "QLinearMatMul",
                  "DynamicQuantizeMatMul", "MatMulIntegerToFloat"}
+
+
 def is_quantized(proto) -> bool:
     return any(node.op_type in QUANTIZED_OPS for node in proto.graph.node)
 
@@ -40,7 +41,7 @@ def quantize_dynamic(proto):
         return onnx.load(target)
 
 
-def check_int8_request(precisions, training: bool) -> None:
-    if "int8" in precisions and training:
+def refuse_int8_training(precisions) -> None:
+    if "int8" in precisions:
         raise TvmdmError("--precision int8 is for inference (a quantized file has no training step); "
                          "use fp32 or bf16 with --train")

@@ -36,10 +36,10 @@ def training_jobs(model: str, proto, batch: int, seq: int, tmp: str, *, target: 
 
     import tvmdm
     from tvmdm import models
-    from tvmdm.bench.quantized import check_int8_request
+    from tvmdm.bench.quantized import refuse_int8_training
     from tvmdm.core.target import num_cores
 
-    check_int8_request(precisions, training=True)
+    refuse_int8_training(precisions)
 
     def step_job(precision, fusion=fusions[0]):
         step = tvmdm.compile_train_step(proto, loss="mse", optimizer=tvmdm.AdamW(lr=lr), target=target,

@@ -154,9 +154,15 @@ def vector_lanes(target: tvm.target.Target) -> int:
     return vector_bits(target) // 32
 
 
+def cpu_has(target: tvm.target.Target, feature: str) -> bool:
+    """Whether an llvm ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has ``feature`` (LLVM's name:
+    "avx512vnni", "avx512bf16", "amx-bf16", ...); False for other target kinds."""
+    return target.kind.name == "llvm" and bool(tvm.target.codegen.target_has_features(feature, target))
+
+
 def has_int8_dot(target: tvm.target.Target) -> bool:
-    """Whether an llvm ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has AVX512-VNNI's vpdpbusd."""
-    return target.kind.name == "llvm" and bool(tvm.target.codegen.target_has_features("avx512vnni", target))
+    """Whether ``target``'s CPU has AVX512-VNNI's vpdpbusd."""
+    return cpu_has(target, "avx512vnni")
 
 
 def is_gpu(target: tvm.target.Target) -> bool:

@@ -46,7 +46,6 @@ class Int8Packing:
 
 VNNI = Int8Packing(16, 4, "int8")  # vpdpbusd (and the AMX-INT8 tile rows)
 WIDE = Int8Packing(8, 2, "int16")  # vpmaddwd on AVX2
-INT8_LANES, QUAD = VNNI.lanes, VNNI.group
 
 
 def column_sums(w: np.ndarray) -> np.ndarray:

@@ -20,8 +20,9 @@ with 128 added to them and to their zero point (x_q - x_zp is unchanged; vpdpbus
 signed bytes), an element-wise step that fuses into the quantization producing them.
 
 Preconditions: shapes of W and the last dim of x_q concrete (the leading dims may be symbolic); N and K whole
-panels of the packing (VNNI: N % 16 == 0 and K % 4 == 0; widened: N % 8, K % 2); zero points scalars. A contraction that does not match (a nonzero weight zero point, a weight
-computed at run time) keeps the frontend's generic int32 or float matmul: same results, slower.
+panels of the packing (VNNI: N % 16 == 0 and K % 4 == 0; widened: N % 8, K % 2); zero points scalars. A
+contraction that does not match (a nonzero weight zero point, a weight computed at run time) keeps the
+frontend's generic int32 or float matmul: same results, slower.
 """
 from __future__ import annotations
 
