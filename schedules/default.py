@@ -13,6 +13,7 @@ from tvm import tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir import schedule as sch_mod
 
+from schedules.intrinsics_import import import_cuda_intrinsics
 from schedules.rule import ScheduleRule
 
 VECTOR_LANES = 16  # 512-bit vectors of fp32
@@ -121,6 +122,7 @@ def apply_gpu_rules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModul
     """dlight's rules, first that applies wins, as ``dl.ApplyDefaultSchedule`` does, except that a rule which
     crashes on a kernel (0.27's reduction rules do on some backward kernels: "block_realize ==
     old_block_realize_") is skipped for that kernel instead of failing the whole build."""
+    import_cuda_intrinsics()  # before the Matmul rule imports them, ~24 s slower (schedules.intrinsics_import)
     out = {}
     with target:
         for gv, func in mod.functions.items():

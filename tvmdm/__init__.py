@@ -32,8 +32,9 @@ _LAZY = {
     "tvmdm.core.options": ("Options",),
     "tvmdm.core.extras": ("MissingExtraError",),
     "tvmdm.train.distributed": ("DataParallel",),
-    "tvmdm.train.step": ("TrainStep", "compile_train_step", "load_train_step"),
-    "tvmdm.train.graph": ("AdamW", "LossScaler"),
+    "tvmdm.train.step": ("compile_train_step",),
+    "tvmdm.runtime.train_step": ("TrainStep", "load_train_step"),  # runtime alone, like load
+    "tvmdm.core.training": ("AdamW", "LossScaler"),
     "tvmdm.models": ("default_model", "default_dims", "DEFAULT_MODELS"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}

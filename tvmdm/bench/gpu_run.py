@@ -1,202 +1,300 @@
-"""One short prepared GPU session: check, benchmark, train, then tune with the time left, in that order.
+"""The GPU machine's half of a lent-GPU session: run what ``gpu_prepare`` compiled, with TVM's runtime alone.
 
-    python -m tvmdm.bench.gpu_run OUT_DIR [--model bert-base-layer] [--budget 540] [--arch sm_90] [--trials 400]
+    TVM_USE_RUNTIME_LIB=1 python -m tvmdm.bench.gpu_run RUN_DIR OUT_DIR [--budget 540] [--no-torch-compile]
+    (scripts/device/run_gpu.sh unpacks RUN_DIR/runtime.tar.xz and calls this)
 
-GPU time is lent in short slices, so everything runs under one wall-clock budget and each step's result is in
-OUT_DIR/gpu_run.json as soon as the step ends (a call cut off by its limit keeps what was done; a step that
-fails is recorded with its error and the next one runs):
-  1. check: compile fp32 (and fp16 on CUDA) with dlight/shipped schedules, compare with onnxruntime;
-  2. bench: tvmdm (fp32, fp16) vs onnxruntime (its CUDA provider where installed, else said so), PyTorch
-     eager and torch.compile (CUDA on a GPU);
-  3. train: the compiled training step (fp32, fp16 with dynamic loss scaling on CUDA) vs a PyTorch step,
-     losses of two steps compared;
-  4. tune: MetaSchedule until the time left (less a reserve for step 5) is spent; every measured batch is in
-     OUT_DIR/tuning_logs at once (ship it as tuning_logs/<model>-cuda);
-  5. tuned: the benchmark again with the tuned log.
-It also writes gpu_run.png and gpu_run.log. Without a GPU it says so and runs the same steps on this CPU
-(llvm), which is how the path is tested here.
+1. preflight, in seconds: the CUDA runtime found and loaded (libcudart before TVM's CUDA library, which TVM
+   would otherwise fail to load without a word), ``tvm.cuda(0).exist``, torch's CUDA, and the preflight
+   model's kernels run on the device and agree with PyTorch. Any of it failing ends the run (exit 3) before a
+   minute is spent.
+2. each configuration of the plan, in order, while the budget holds (the rest is recorded as skipped):
+   weights rebuilt from the model's seed and checked against the digest taken where it was compiled; outputs
+   (or two training steps' losses) against PyTorch on the GPU; then timings, device-side first (arrays
+   already on the device: TVM's time evaluator, CUDA events for PyTorch), then end to end (numpy in and out).
+Each result is in OUT_DIR/gpu_run.json as soon as it is known; OUT_DIR/gpu_run.log has every line.
+``--device cpu`` runs the same path on the CPU (for a module compiled for llvm): how it is tested without a GPU.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import glob
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 
+import numpy as np
 
-class _Log:
-    """print() that also appends to OUT_DIR/gpu_run.log, so a run cut off by its time limit still leaves a trace."""
+from tvmdm.bench import gpu_plan
+from tvmdm.bench.gpu_plan import GpuConfig
 
-    def __init__(self, path: str):
-        self.path = path
+CUDART = "libcudart.so.13"  # what TVM 0.27's libtvm_runtime_cuda.so links against
+PREFLIGHT_EXIT = 3
 
-    def __call__(self, line: str = "") -> None:
+
+class PreflightError(RuntimeError):
+    pass
+
+
+def cudart_candidates() -> list[str]:
+    """Where the CUDA runtime library may be: the toolkit, then the wheels PyTorch ships it in."""
+    roots = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
+    found = [os.path.join(r, sub, CUDART) for r in roots if r for sub in ("lib64", "lib", "targets/x86_64-linux/lib")]
+    for site in sys.path:
+        found += glob.glob(os.path.join(site, "nvidia", "*", "lib", CUDART))
+        found += glob.glob(os.path.join(site, "nvidia", "cu*", "lib", CUDART))
+    return [p for p in dict.fromkeys(found) if os.path.isfile(p)]
+
+
+def load_cuda_runtime() -> dict:
+    """Load libcudart (from the loader path, else a known place), then TVM's CUDA runtime library; PreflightError
+    saying which one failed and why."""
+    import tvm
+    from tvm.base import _LOADED_LIBS
+
+    tried = []
+    for path in [CUDART, *cudart_candidates()]:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            cudart = path
+            break
+        except OSError as err:
+            tried.append(f"{path}: {err}")
+    else:
+        raise PreflightError(f"{CUDART} not found (tried {tried}); set CUDA_HOME or LD_LIBRARY_PATH")
+    runtime_dir = os.path.dirname(os.path.realpath(_LOADED_LIBS["tvm_runtime"]._name))
+    cuda_lib = os.path.join(runtime_dir, "libtvm_runtime_cuda.so")
+    try:
+        ctypes.CDLL(cuda_lib, mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        raise PreflightError(f"TVM's CUDA runtime {cuda_lib} does not load: {err}") from None
+    if not tvm.cuda(0).exist:
+        raise PreflightError("TVM's CUDA runtime loaded, but tvm.cuda(0) does not exist: no usable GPU or driver")
+    dev = tvm.cuda(0)
+    return {"cudart": cudart, "tvm_cuda": cuda_lib, "device": dev.device_name, "compute": dev.compute_version,
+            "multiprocessors": dev.multi_processor_count}
+
+
+def runtime_only() -> dict:
+    """Whether this process holds TVM's runtime only (what a deployment has), and what it loaded."""
+    import tvm
+    from tvm import base
+
+    return {"runtime_only": bool(base._RUNTIME_ONLY), "libraries": sorted(base._LOADED_LIBS),
+            "tvm": os.path.dirname(tvm.__file__)}
+
+
+def load_config(run_dir: str, name: str):
+    """(config, runner) of a prepared configuration: library loaded, weights rebuilt and checked."""
+    from tvm import runtime
+
+    from tvmdm.bench.gpu_prepare import model_weights
+    from tvmdm.runtime.artifact import runner_from_parts
+    from tvmdm.runtime.train_step import train_step_from_parts
+
+    with open(os.path.join(run_dir, f"{name}.json")) as f:
+        entry = json.load(f)
+    config = GpuConfig.from_json(entry["config"])
+    recipe = entry["weights"]
+    weights = model_weights(recipe["model"])
+    chosen = {n: weights[n] for n in recipe["names"]}
+    if gpu_plan.weights_digest(chosen) != recipe["sha256"]:
+        raise RuntimeError(f"{name}: the weights rebuilt here from {recipe['model']}'s seed differ from those it "
+                           "was compiled with (numpy or onnx changed how they are drawn?)")
+    lib = runtime.load_module(os.path.join(run_dir, entry["library"]))
+    if config.train:
+        state = {f"weights/{n}": v for n, v in chosen.items()}
+        state |= {f"adam_{k}/{n}": np.zeros_like(v) for k in "mv" for n, v in chosen.items()}
+        state["step"] = np.array(0, np.int64)
+        return config, train_step_from_parts(entry["manifest"], lib, state, name)
+    return config, runner_from_parts(entry["manifest"], lib, chosen, name)
+
+
+def device_times(fn, repeat: int, device: str) -> list[float]:
+    """Seconds per call of ``fn`` (torch work), measured with CUDA events on a GPU, after two warm-up calls."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    if device != "cuda":
+        out = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(repeat):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3)
+    return out
+
+
+def ms(times) -> float:
+    return round(float(np.median(times)) * 1e3, 4)
+
+
+def run_inference(config: GpuConfig, runner, device: str, repeat: int, torch_compile: bool) -> dict:
+    """Outputs against PyTorch fp32 on the same device, then device-side and end-to-end medians (ms)."""
+    import torch
+
+    from tvmdm.bench.timing import time_until_stable
+    from tvmdm.core.precision import MAX_REL_ERR
+    from tvmdm.models.torch_reference import TorchReference
+    from tvmdm.runtime.inputs import random_inputs
+
+    feeds = random_inputs(runner, batch=config.batch, seq=config.seq)
+    reference = TorchReference(config.model, device=device, precision="fp32").run(feeds)[0]
+    got = runner.run(feeds)[0]
+    rel = float(np.max(np.abs(got - reference)) / max(float(np.max(np.abs(reference))), 1e-30))
+    bound = MAX_REL_ERR.get(config.precision, 1e-4)
+    result = {"max_rel_err": rel, "bound": bound, "ok": rel <= bound, "device_ms": {}, "end_to_end_ms": {}}
+    result["device_ms"]["tvmdm"] = ms(runner.time(feeds, repeat=repeat))
+    result["end_to_end_ms"]["tvmdm"] = ms(time_until_stable(lambda: runner.run(feeds), max_seconds=5))
+    systems = {"torch-eager": "fp32", f"torch-eager[{config.precision}]": config.precision} \
+        if config.precision != "fp32" else {"torch-eager": "fp32"}
+    for name, precision in systems.items():
+        ref = TorchReference(config.model, device=device, precision=precision)
+        compiled = torch_compile and config.compile_s and precision == config.precision
+        variants = [(name, ref)] + ([(name.replace("eager", "compile"), TorchReference(
+            config.model, device=device, precision=precision).compile())] if compiled else [])
+        for label, system in variants:
+            inputs = system.torch_inputs(feeds)
+
+            def call(system=system, inputs=inputs):
+                with torch.inference_mode(), system._precision():
+                    return system.forward(inputs)
+
+            result["device_ms"][label] = ms(device_times(call, repeat, device))
+            result["end_to_end_ms"][label] = ms(time_until_stable(lambda s=system: s.run(feeds), max_seconds=5))
+    return result
+
+
+def run_training(config: GpuConfig, step, device: str, repeat: int) -> dict:
+    """Two steps' losses against PyTorch's step (AMP for fp16) from the same weights, then step times (ms)."""
+    from tvmdm.bench.timing import time_until_stable
+    from tvmdm.core.training import BENCH_LR
+    from tvmdm.models.torch_reference import TorchReference, torch_step
+    from tvmdm.runtime.inputs import random_inputs
+
+    feeds = random_inputs(step, batch=config.batch, seq=config.seq)
+    labels = np.random.default_rng(1).standard_normal(step.target_spec.shape).astype(np.float32)
+    batch = dict(feeds, labels=labels)
+    ours = [step.step(batch) for _ in range(2)]
+    autocast = "fp16" if config.precision == "fp16" else None
+    torch_fn = torch_step(TorchReference(config.model, device=device), feeds, labels, BENCH_LR, autocast=autocast)
+    theirs = [torch_fn() for _ in range(2)]
+    rtol = 1e-2 if autocast else 1e-3
+    agree = all(abs(a - b) <= rtol * abs(b) for a, b in zip(ours, theirs))
+    label = f"torch-eager[{autocast}]" if autocast else "torch-eager"
+    return {"losses": {"tvmdm": ours, label: theirs}, "rtol": rtol, "ok": agree,
+            "device_ms": {"tvmdm": ms(step.time(batch, repeat=repeat)), label: ms(device_times(torch_fn, repeat, device))},
+            "end_to_end_ms": {"tvmdm": ms(time_until_stable(lambda: step.step(batch), max_seconds=5))}}
+
+
+class Report:
+    """gpu_run.json, rewritten atomically after every part, and gpu_run.log, appended line by line."""
+
+    def __init__(self, out_dir: str, header: dict):
+        os.makedirs(out_dir, exist_ok=True)
+        self.json_path = os.path.join(out_dir, "gpu_run.json")
+        self.log_path = os.path.join(out_dir, "gpu_run.log")
+        self.data = dict(header, configs={})
+        self.write()
+
+    def log(self, line: str) -> None:
         print(line, flush=True)
-        with open(self.path, "a") as f:
+        with open(self.log_path, "a") as f:
             f.write(line + "\n")
 
-
-def pick_target(arch: str) -> tuple[str, str | None]:
-    """(target, why it fell back to the CPU or None)."""
-    import tvm
-
-    if tvm.cuda(0).exist:
-        return f"cuda:{arch}", None
-    return "llvm", "no CUDA device visible to TVM here: ran every step on the CPU instead"
+    def write(self) -> None:
+        with open(self.json_path + ".tmp", "w") as f:
+            json.dump(self.data, f, indent=1, default=str)
+        os.replace(self.json_path + ".tmp", self.json_path)
 
 
-def tune_with_deadline(model: str, logs: str, target: str, trials: int, batch: int, seq: int, seconds: float,
-                       log, first_batch_grace: float = 0.0) -> dict:
-    """``tvmdm tune --seconds`` in a child process. Its deadline holds once a batch is measured (it starts no
-    build that would end after it, and keeps every measured batch), so it is sent SIGINT only 15 s past the
-    deadline, or, while its log has no record yet (the first batch is always measured), up to
-    ``first_batch_grace`` seconds later; SIGKILL 15 s after that."""
-    cmd = [sys.executable, "-m", "tvmdm", "tune", model, "--logs", logs, "--target", target, "--trials",
-           str(trials), "--batch", str(batch), "--seq", str(seq), "--seconds", f"{max(seconds, 1):.0f}"]
-    log(f"tuning: {' '.join(cmd[1:])}")
+def run_part(report: Report, key: str, fn) -> dict:
+    """Run one part, its result or error recorded under ``key`` with its seconds; a failure does not stop the
+    next part (a lease is too short to lose the rest to one)."""
     t0 = time.perf_counter()
-    path = os.path.join(logs, "database_tuning_record.json")
-    with open(log.path, "a") as sink:  # the tuner's progress lines go to the log file
-        child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
-    status = "finished"
-    limit = max(seconds, 1) + 15
-    while child.poll() is None:
-        elapsed = time.perf_counter() - t0
-        if elapsed > limit + (0 if os.path.exists(path) else first_batch_grace):
-            child.send_signal(signal.SIGINT)
-            status = "interrupted after its deadline"
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-                status = "killed after its deadline"
-            break
-        time.sleep(0.5)
-    records = 0
-    if os.path.exists(path):
-        with open(path) as f:
-            records = sum(1 for line in f if line.strip())
-    log(f"tuning {status} after {time.perf_counter() - t0:.0f} s: {records} records in {logs}")
-    return {"status": status, "seconds": round(time.perf_counter() - t0, 1), "records": records,
-            "exit_code": child.returncode}
-
-
-class Steps:
-    """Runs named steps in order, each recorded (result or error, seconds) in gpu_run.json as it ends."""
-
-    def __init__(self, out_dir: str, log, header: dict):
-        self.path = os.path.join(out_dir, "gpu_run.json")
-        self.log = log
-        self.result = dict(header, steps={})
-        self._write()
-
-    def run(self, name: str, fn):
-        self.log(f"== step {name}")
-        t0 = time.perf_counter()
-        try:
-            value, record = fn(), {}
-        except Exception as err:  # noqa: BLE001 - a lease is too short to lose the other steps to one failure
-            value, record = None, {"error": f"{type(err).__name__}: {str(err)[:2000]}"}
-            self.log(f"step {name} failed: {record['error'][:500]}")
-        record = dict(record, result=_jsonable(value), seconds=round(time.perf_counter() - t0, 1))
-        self.result["steps"][name] = record
-        self._write()
-        return value
-
-    def _write(self) -> None:
-        with open(self.path + ".tmp", "w") as f:
-            json.dump(self.result, f, indent=1, default=str)
-        os.replace(self.path + ".tmp", self.path)
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items() if k != "compiled"}
-    return value
-
-
-def check_precisions(model: str, target: str, precisions, batch: int, seq: int) -> dict:
-    """Compile ``model`` in each precision at (batch, seq) and compare with onnxruntime fp32."""
-    import tvmdm
-    from tvmdm.build.shapes import resolve_shapes
-    from tvmdm.core.precision import MAX_REL_ERR
-    from tvmdm.bench.inference import load_model
-
-    proto = load_model(model)
-    out = {}
-    for precision in precisions:
-        compiled = tvmdm.compile(proto, target=target, shapes=resolve_shapes(model, None, batch, seq),
-                                 precision=precision)
-        inputs = tvmdm.random_inputs(compiled, batch=batch, seq=seq)
-        rel = max(o.max_rel_err for o in compiled.check(inputs).outputs)  # vs onnxruntime fp32
-        bound = MAX_REL_ERR.get(precision, 1e-4)
-        out[precision] = {"max_rel_err": rel, "bound": bound, "ok": rel <= bound,
-                          "compile_s": round(sum(compiled.timings.values()), 2),
-                          "tuned_kernels": len(compiled.tuned_kernels), "hand_kernels": len(compiled.hand_kernels),
-                          "kernels": len(compiled.kernels)}
-    return out
+    try:
+        record = fn()
+    except Exception as err:  # noqa: BLE001
+        record = {"error": f"{type(err).__name__}: {str(err)[:2000]}"}
+        report.log(f"{key} failed: {record['error'][:500]}")
+    record["seconds"] = round(time.perf_counter() - t0, 1)
+    report.data["configs"][key] = record
+    report.write()
+    return record
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tvmdm.bench.gpu_run", description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="folder for the JSON, plot, log and tuning database")
-    parser.add_argument("--model", default="bert-base-layer")
-    parser.add_argument("--batch", type=int, help="default: the model's")
-    parser.add_argument("--seq", type=int, help="default: the model's")
-    parser.add_argument("--arch", default="sm_90", help="CUDA arch (default sm_90: H100/H200)")
-    parser.add_argument("--budget", type=float, default=480, help="wall-clock seconds for everything (default 480)")
-    parser.add_argument("--reserve", type=float, default=0.15, help="share of the budget kept for the tuned "
-                        "benchmark after tuning (default 0.15)")
-    parser.add_argument("--trials", type=int, default=400, help="most tuning trials (the deadline usually ends it)")
+    parser.add_argument("run_dir", help="what gpu_prepare wrote (plan.json, NAME.so, NAME.json)")
+    parser.add_argument("out", help="folder for gpu_run.json and gpu_run.log")
+    parser.add_argument("--budget", type=float, default=gpu_plan.DEFAULT_BUDGET_S,
+                        help=f"wall-clock seconds for everything (default {gpu_plan.DEFAULT_BUDGET_S})")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--repeat", type=int, default=20, help="timed calls per system (default 20)")
+    parser.add_argument("--no-torch-compile", dest="torch_compile", action="store_false")
     args = parser.parse_args(argv)
-
     start = time.perf_counter()
-    left = lambda: args.budget - (time.perf_counter() - start)  # noqa: E731
-    os.makedirs(args.out, exist_ok=True)
-    log = _Log(os.path.join(args.out, "gpu_run.log"))
-    from tvmdm import models
-    from tvmdm.bench.inference import run_bench
-    from tvmdm.bench.plot import plot_bench
-    from tvmdm.bench.training import run_train_bench
+    with open(os.path.join(args.run_dir, "plan.json")) as f:
+        plan_file = json.load(f)
+    plan = [GpuConfig.from_json(c) for c in plan_file["plan"]]
+    report = Report(args.out, {"device": args.device, "budget_s": args.budget, "arch": plan_file["arch"],
+                               "prepared": plan_file["created"], "plan": [c.name for c in plan]})
+    report.log(f"gpu_run: {len(plan)} configurations, budget {args.budget:.0f} s, device {args.device}")
+    try:
+        import torch
 
-    dims = models.default_dims(args.model) if args.model in models.DEFAULT_MODELS else {"batch": 1, "seq": 128}
-    batch, seq = args.batch or dims["batch"], args.seq or dims["seq"]
-    target, fallback = pick_target(args.arch)
-    gpu = fallback is None
-    precisions = ("fp32", "fp16") if gpu else ("fp32",)
-    log(f"gpu_run: {args.model} batch {batch} seq {seq} on {target}; budget {args.budget:.0f} s")
-    if fallback:
-        log(f"NOTE: {fallback}")
-    steps = Steps(args.out, log, {"model": args.model, "shapes": {"batch": batch, "seq": seq}, "target": target,
-                                  "budget_s": args.budget, "fallback": fallback, "precisions": list(precisions)})
-    per_system = lambda share: max(2.0, min(20.0, left() * share))  # noqa: E731 - seconds per timed system
-    steps.run("check", lambda: check_precisions(args.model, target, precisions, batch, seq))
-    bench = steps.run("bench", lambda: run_bench(
-        args.model, batch=batch, seq=seq, target=target, precisions=precisions, untuned=False, kernels=False,
-        torch_compile=True, max_seconds=per_system(0.02), out=log))
-    if bench:
-        plot_bench(bench, os.path.join(args.out, "gpu_run.png"))
-    steps.run("train", lambda: run_train_bench(
-        args.model, batch=batch, seq=seq, target=target, precisions=precisions, torch_compile=False,
-        max_seconds=per_system(0.02), out=log))
-    logs = os.path.join(args.out, "tuning_logs")
-    steps.run("tune", lambda: tune_with_deadline(args.model, logs, target, args.trials, batch, seq,
-                                                  left() - args.budget * args.reserve, log,
-                                                  first_batch_grace=args.budget * args.reserve / 2))
-    tuned = steps.run("tuned", lambda: run_bench(
-        args.model, batch=batch, seq=seq, target=target, untuned=True, torch=False, ort_optimized=False,
-        kernels=False, tuning_logs=logs, max_seconds=max(2.0, min(20.0, left() / 8)), out=log))
-    if tuned:
-        plot_bench(tuned, os.path.join(args.out, "gpu_run.png"))
-    steps.result["wall_s"] = round(time.perf_counter() - start, 1)
-    steps._write()
-    failed = [name for name, record in steps.result["steps"].items() if "error" in record]
-    log(f"wrote gpu_run.json, gpu_run.png in {args.out} after {time.perf_counter() - start:.0f} s"
-        + (f"; failed steps: {', '.join(failed)}" if failed else ""))
+        found = runtime_only()
+        if args.device == "cuda":
+            found |= load_cuda_runtime()
+            if not torch.cuda.is_available():
+                raise PreflightError("torch sees no CUDA device (its baselines would run on the CPU)")
+            found["torch"] = f"{torch.__version__} on {torch.cuda.get_device_name(0)}"
+        report.data["preflight"] = found
+        report.log(f"preflight: {found}")
+        config, runner = load_config(args.run_dir, plan_file["preflight"])
+        check = run_inference(config, runner, args.device, repeat=3, torch_compile=False)
+        report.data["preflight"]["check"] = check
+        if not check["ok"]:
+            raise PreflightError(f"the preflight model disagrees with PyTorch: max rel error {check['max_rel_err']:.2e}")
+    except Exception as err:  # noqa: BLE001 - every preflight failure ends the run, said in the report
+        report.data["preflight_error"] = f"{type(err).__name__}: {err}"
+        report.write()
+        report.log(f"PREFLIGHT FAILED after {time.perf_counter() - start:.1f} s: {err}")
+        return PREFLIGHT_EXIT
+    report.write()
+    taken, left_out = gpu_plan.fits(plan, args.budget - (time.perf_counter() - start), args.torch_compile)
+    report.data["skipped"] = {c.name: "over the budget" for c in left_out}
+    for config in taken:
+        left = args.budget - (time.perf_counter() - start)
+        cost = gpu_plan.config_cost(config, args.torch_compile)
+        if left < cost:  # earlier parts took longer than expected
+            report.data["skipped"][config.name] = f"{left:.0f} s left, expected {cost:.0f} s"
+            continue
+        report.log(f"== {config.name} ({left:.0f} s left)")
+
+        def part(config=config):
+            config, runner = load_config(args.run_dir, config.name)
+            if config.train:
+                return run_training(config, runner, args.device, args.repeat)
+            return run_inference(config, runner, args.device, args.repeat, args.torch_compile)
+
+        record = run_part(report, config.name, part)
+        report.log(f"{config.name}: {json.dumps({k: record.get(k) for k in ('device_ms', 'ok', 'error') if k in record})}")
+    report.data["wall_s"] = round(time.perf_counter() - start, 1)
+    report.write()
+    failed = [k for k, r in report.data["configs"].items() if "error" in r or not r.get("ok", True)]
+    report.log(f"done in {report.data['wall_s']:.0f} s" + (f"; failed or off: {failed}" if failed else ""))
     return 1 if failed else 0
 
 

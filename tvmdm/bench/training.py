@@ -17,10 +17,11 @@ import numpy as np
 from tvmdm.bench.inference import format_table, matmul_flops, summarize, write_result
 from tvmdm.bench.isolated import Job, run_jobs
 from tvmdm.core.errors import TvmdmError
+from tvmdm.core.training import BENCH_LR
 from tvmdm.core.options import DEFAULT_FUSION
 from tvmdm.core.precision import reduced_precision
 
-LR = 1e-4
+LR = BENCH_LR
 
 
 def training_jobs(model: str, proto, batch: int, seq: int, tmp: str, *, target: str = "llvm", torch: bool = True,

@@ -161,9 +161,9 @@ def read_params(path) -> dict:
         return _read_params(tar, json.loads(tar.extractfile("manifest.json").read()))
 
 
-def export_artifact(runner, path) -> str:
-    """Write ``runner`` (a Compiled) to ``path``; returns the path written."""
-    manifest = {
+def runner_manifest(runner) -> dict:
+    """What ``load`` needs beside the library and the weights to rebuild ``runner`` (a Compiled)."""
+    return {
         "format": FORMAT, "version": VERSION,
         "target_kind": runner.target_kind,
         "inputs": [s.to_json() for s in runner.inputs],
@@ -171,20 +171,30 @@ def export_artifact(runner, path) -> str:
         "index_bounds": {k: list(v) for k, v in runner.index_bounds.items()},
         "amx": runner.uses_amx,
     }
-    return write_bundle(path, manifest, runner._executable, runner.params())
+
+
+def export_artifact(runner, path) -> str:
+    """Write ``runner`` (a Compiled) to ``path``; returns the path written."""
+    return write_bundle(path, runner_manifest(runner), runner._executable, runner.params())
+
+
+def runner_from_parts(manifest: dict, lib, params: dict, path, reload_params=None) -> "ModelRunner":
+    """A runner from a manifest (``runner_manifest``), a loaded library and the weights by name; ``path`` names
+    the source in errors."""
+    from tvmdm.runtime.runner import ModelRunner
+    from tvmdm.core.spec import TensorSpec
+
+    with manifest_entries(path):
+        runner = ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
+                             outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]], params=params,
+                             target_kind=manifest["target_kind"],
+                             index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
+                             reload_params=reload_params)
+        runner.uses_amx = bool(manifest.get("amx", False))  # (written since the AMX kernels; older: none)
+        return runner
 
 
 def load(path) -> "ModelRunner":
     """Load an artifact written by ``Compiled.export``; returns a runner with ``run``."""
-    from tvmdm.runtime.runner import ModelRunner
-    from tvmdm.core.spec import TensorSpec
-
     manifest, lib, params = read_bundle(path)
-    with manifest_entries(path):
-        runner = ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
-                           outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]], params=params,
-                           target_kind=manifest["target_kind"],
-                           index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
-                           reload_params=lambda: read_params(path))
-        runner.uses_amx = bool(manifest.get("amx", False))  # (written since the AMX kernels; older: none)
-        return runner
+    return runner_from_parts(manifest, lib, params, path, reload_params=lambda: read_params(path))

@@ -12,20 +12,14 @@ Sites, where HF BERT applies dropout (found in the imported graph, in binding or
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import tvm
 from tvm import relax
 
+from tvmdm.core.training import DropoutConfig, DropoutSite, masks_for_step  # noqa: F401 (re-exported)
 from tvmdm.transform.ir import call_op, function_pass, rewritten
 
 
-@dataclasses.dataclass(frozen=True)
-class DropoutSite:
-    name: str  # e.g. "attention_probs.0"
-    shape: tuple
-    dtype: str
 
 
 def find_sites(func: relax.Function) -> dict:
@@ -127,42 +121,3 @@ def insert_dropout(mod: tvm.IRModule, n_inputs: int) -> tuple[tvm.IRModule, list
     out = mod.shallow_copy() if hasattr(mod, "shallow_copy") else tvm.IRModule(dict(mod.functions.items()))
     out["main"] = new_func
     return out, order
-
-
-def masks_for_step(sites: list[DropoutSite], p: float, seed: int, step: int, world: int = 1,
-                   rank: int = 0) -> list[np.ndarray]:
-    """The keep-masks of training step ``step`` (1-based): 0 with probability p, else 1/(1-p).
-
-    Data parallel (``world`` processes, this one ``rank``): the masks of the whole batch are drawn (every site's
-    first axis is the batch) and this process takes its slice, so N processes drop what one process on the
-    full batch would."""
-    rng = np.random.default_rng([seed, step])
-    scale = np.float32(1.0 / (1.0 - p))
-    masks = []
-    for site in sites:
-        rows = site.shape[0]
-        full = rng.random((rows * world, *site.shape[1:])) >= p
-        masks.append((full[rank * rows:(rank + 1) * rows] * scale).astype(site.dtype))
-    return masks
-
-
-@dataclasses.dataclass(frozen=True)
-class DropoutConfig:
-    """What a training step needs to draw its masks: probability, seed and the sites' shapes."""
-
-    p: float = 0.0
-    seed: int = 0
-    sites: tuple = ()
-    world: int = 1  # data parallel: processes sharing each batch, and this one's place among them
-    rank: int = 0
-
-    def masks(self, step: int) -> list[np.ndarray]:
-        return masks_for_step(list(self.sites), self.p, self.seed, step, self.world, self.rank) if self.sites \
-            else []
-
-    def to_json(self) -> dict:
-        return {"p": self.p, "seed": self.seed, "sites": [[s.name, list(s.shape), s.dtype] for s in self.sites]}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "DropoutConfig":
-        return cls(d["p"], d["seed"], tuple(DropoutSite(n, tuple(shape), dtype) for n, shape, dtype in d["sites"]))

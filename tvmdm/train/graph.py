@@ -12,50 +12,13 @@ inputs, so schedules need no recompile; betas and eps are compiled in.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import numpy as np
 import tvm
 from tvm import relax
 
-from tvmdm.core.errors import InputError
+from tvmdm.core.training import IGNORE_INDEX, AdamW, LossScaler, check_learning_rate  # noqa: F401 (re-exported)
 
 LOSSES = ("mse", "cross_entropy")
-IGNORE_INDEX = -100  # label value that cross_entropy skips, as in torch and HF (padding, unmasked MLM tokens)
-
-
-def check_learning_rate(lr) -> float:
-    if not (isinstance(lr, (int, float, np.floating)) and math.isfinite(lr) and lr >= 0.0):
-        raise InputError(f"the learning rate must be a finite number >= 0, got {lr!r}")
-    return float(lr)
-
-
-@dataclasses.dataclass(frozen=True)
-class AdamW:
-    """torch.optim.AdamW's update rule (decoupled weight decay, bias-corrected moments)."""
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 1e-2
-
-    def __post_init__(self):  # torch.optim.AdamW's rules: a NaN here would turn every weight into NaN
-        check_learning_rate(self.lr)
-        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
-                and all(math.isfinite(b) and 0.0 <= b < 1.0 for b in self.betas)):
-            raise InputError(f"AdamW betas must be two numbers in [0, 1), got {self.betas!r}")
-        if not (math.isfinite(self.eps) and self.eps >= 0.0):
-            raise InputError(f"AdamW eps must be a finite number >= 0, got {self.eps!r}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0.0):
-            raise InputError(f"AdamW weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
-
-    def scalars(self, step: int, lr: float | None = None) -> list[np.ndarray]:
-        """The per-step inputs of train_step for 1-based ``step``: [decay, step_size, bc2_sqrt]."""
-        lr = self.lr if lr is None else lr
-        b1, b2 = self.betas
-        values = (1.0 - lr * self.weight_decay, lr / (1.0 - b1 ** step), math.sqrt(1.0 - b2 ** step))
-        return [np.array(v, dtype=np.float32) for v in values]
 
 
 def _emit_body(bb: relax.BlockBuilder, func: relax.Function):
@@ -91,35 +54,6 @@ def target_type(kind, output_type: relax.TensorType) -> relax.TensorType:
     if kind == "cross_entropy":
         return relax.TensorType(list(output_type.shape)[:-1], "int64")
     return relax.TensorType(list(output_type.shape), output_type.dtype)
-
-
-@dataclasses.dataclass
-class LossScaler:
-    """Dynamic loss scaling as torch.cuda.amp.GradScaler does it: the loss is multiplied by ``scale`` before the
-    backward pass (small fp16 gradients stay representable), the gradients divided by it before the update; a
-    step whose gradients are not all finite is skipped and halves the scale; ``interval`` finite steps in a
-    row double it."""
-
-    scale: float = 2.0 ** 16
-    growth: float = 2.0
-    backoff: float = 0.5
-    interval: int = 2000
-    good_steps: int = 0
-    skipped: int = 0
-
-    def update(self, finite: bool) -> None:
-        if not finite:
-            self.scale *= self.backoff
-            self.good_steps = 0
-            self.skipped += 1
-            return
-        self.good_steps += 1
-        if self.good_steps >= self.interval:
-            self.scale *= self.growth
-            self.good_steps = 0
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 LOSS_SCALE = "loss_scale"  # the scalar input a loss-scaled training module takes after the inputs (and masks)
