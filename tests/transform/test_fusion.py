@@ -7,6 +7,7 @@ import tvm
 
 from tvmdm.models import hf_export as hf_exports
 import tvmdm
+from tests.helpers.cuda import cuda_source
 from onnx_import import import_onnx
 from tvmdm.core.options import LAYOUTS
 from tvmdm.transform.ir import op_name
@@ -142,13 +143,16 @@ def test_unknown_fusion_and_layout_are_refused(tiny_layer):
 
 
 def test_cuda_build_of_paper_kernels(tiny_layer):
+    # On CUDA the paper level keeps BDRLN, while the attention's contractions stay kernels of their own (each
+    # on tensor cores in fp16: tests/build/test_cuda_kernels.py) with the scale and mask in the scores' epilogue
     compiled = tvmdm.compile(tiny_layer, target="cuda:sm_90", fusion="paper")
-    host = compiled._executable.mod
-    devices = [m for m in host.imports] + [m for h in host.imports for m in h.imports]
-    source = [m.inspect_source() for m in devices if m.kind == "cuda"][0]
-    for kernel in ("sm", "attention_context", "bdrln"):
-        assert f"{kernel}_kernel" in source
-    assert "threadIdx.x" in source
+    source = cuda_source(compiled)
+    assert "bdrln_kernel" in source and "threadIdx.x" in source
+    assert "sm" not in compiled.kernels and "attention_context" not in compiled.kernels
+    scores = [k for k, ops in compiled.kernel_ops.items() if "matmul" in ops and "expand_dims" in ops]  # + mask
+    assert len(scores) == 1 and any("fast_softmax" in ops for ops in compiled.kernel_ops.values())
+    cpu = tvmdm.compile(tiny_layer, fusion="paper")  # the CPU keeps the paper's attention kernels
+    assert {"sm", "attention_context", "bdrln"} <= set(cpu.kernels)
 
 
 def test_tuner_tunes_the_paper_kernels_in_a_space_it_can_build(tiny_layer, tmp_path):

@@ -1,5 +1,6 @@
 """precision="bf16": weight contractions on bf16 operands with fp32 accumulation (AVX512-BF16), checked against
 onnxruntime fp32 within the documented tolerance, and the generated code really uses vdpbf16ps."""
+import re
 import warnings
 
 import numpy as np
@@ -305,5 +306,10 @@ def test_fp16_training_step_builds_for_cuda_with_loss_scaling(arch):
     assert step.loss_scaler is not None and step.loss_scaler.scale == 2.0 ** 16
     source = _cuda_source(step)
     assert "wmma::mma_sync" in source and "__half" in source  # forward and weight gradient on tensor cores
+    # the unscale and the skip of a non-finite step live in train_step's AdamW kernel: it reads the scale
+    # (apply_update's, for data-parallel steps, does not), and no kernel of its own selects old or new weights
+    adamw = re.findall(r"void [^\n]*adamw\w*_kernel\(([^)]*)\)", source)
+    assert {"loss_scale_ptr" in params for params in adamw} == {False, True}
+    assert not [k for k in re.findall(r"void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source) if "where" in k]
     with pytest.raises(ValueError, match="precision='fp16' is built for cuda targets"):
         tvmdm.compile_train_step(_one_matmul_model(), loss="mse", precision="fp16")

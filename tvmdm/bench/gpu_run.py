@@ -76,6 +76,20 @@ def load_cuda_runtime() -> dict:
             "multiprocessors": dev.multi_processor_count}
 
 
+def onnxruntime_on_gpu() -> str:
+    """Whether onnxruntime can be a GPU baseline here, or why not (its GPU wheel, ~200 MB with its CUDA
+    libraries, is over what one device call carries, so only an installed one counts)."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return "not installed"
+    providers = onnxruntime.get_available_providers()
+    if "CUDAExecutionProvider" in providers:
+        return f"{onnxruntime.__version__} with CUDAExecutionProvider (not timed by this run yet)"
+    return (f"{onnxruntime.__version__} has no CUDAExecutionProvider here ({', '.join(providers)}): "
+            "onnxruntime-gpu is not installed and too big to carry")
+
+
 def runtime_only() -> dict:
     """Whether this process holds TVM's runtime only (what a deployment has), and what it loaded."""
     import tvm
@@ -260,6 +274,7 @@ def main(argv=None) -> int:
             if not torch.cuda.is_available():
                 raise PreflightError("torch sees no CUDA device (its baselines would run on the CPU)")
             found["torch"] = f"{torch.__version__} on {torch.cuda.get_device_name(0)}"
+            found["onnxruntime"] = onnxruntime_on_gpu()
         report.data["preflight"] = found
         report.log(f"preflight: {found}")
         config, runner = load_config(args.run_dir, plan_file["preflight"])

@@ -13,6 +13,9 @@ import tvm
 from tvmdm.core.errors import TargetError
 
 CUDA_ARCHES = ("sm_80", "sm_86", "sm_89", "sm_90")
+# Streaming multiprocessors of the data-center part of each arch (A100, A10, L4, H100/H200): how many blocks a
+# kernel's grid needs to keep every one busy (schedules.tensor_cores).
+CUDA_MULTIPROCESSORS = {"sm_80": 108, "sm_86": 72, "sm_89": 58, "sm_90": 132}
 
 
 def host_cpu() -> str:
@@ -141,6 +144,10 @@ def make_target(target="llvm") -> tvm.target.Target:
              "thread_warp_size": 32},
             host=host_llvm_target())
     raise TargetError(f"unknown target {target!r}; use 'llvm', 'cuda' or 'cuda:<arch>' ({', '.join(CUDA_ARCHES)})")
+
+
+def cuda_multiprocessors(target: tvm.target.Target) -> int:
+    return CUDA_MULTIPROCESSORS.get(str(target.attrs.get("arch", "")), CUDA_MULTIPROCESSORS["sm_90"])
 
 
 def vector_bits(target: tvm.target.Target) -> int:

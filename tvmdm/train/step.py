@@ -64,7 +64,8 @@ def _split_trainable(imported) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
 
 def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = None, shapes: dict | None = None,
                    batch: int | None = None, seq: int | None = None, checkpoint=False, dropout: float = 0.0,
-                   fusion: str = DEFAULT_FUSION, layout: str = DEFAULT_LAYOUT, loss_scaling: bool = False):
+                   fusion: str = DEFAULT_FUSION, layout: str = DEFAULT_LAYOUT, loss_scaling: bool = False,
+                   target_kind: str = "llvm"):
     """The training stages before fusion: import with static shapes, split trainable weights, build the
     training module (train_graph). With fusion="paper" the paper's graph rewrites (merged QKV, transposes
     folded into the attention contractions) come before Gradient, so the backward pass has them too.
@@ -102,7 +103,7 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
         log.info("%s: initializer %r is the transpose of %r (an exporter's copy of a tied weight): trained as one "
                  "tensor", source, copy, weight)
     if fusion == "paper":
-        mod = paper_graph_rewrites(layout)(mod)
+        mod = paper_graph_rewrites(layout, target_kind)(mod)
     try:
         mod, sites = train_graph.training_module(mod, len(imported.inputs), loss, optimizer or AdamW(), checkpoint,
                                                  dropout=bool(dropout), loss_scaling=loss_scaling)
@@ -152,7 +153,8 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     t0 = time.perf_counter()
     imported, mod, trainable, sites = training_graph(model, loss=loss, optimizer=optimizer, shapes=shapes,
                                                      batch=batch, seq=seq, checkpoint=checkpoint, dropout=dropout,
-                                                     fusion=fusion, layout=layout, loss_scaling=scaler is not None)
+                                                     fusion=fusion, layout=layout, loss_scaling=scaler is not None,
+                                                     target_kind=tvm_target.kind.name)
     graph_seconds = time.perf_counter() - t0
     options = make_options(tvm_target, fusion=fusion, layout=layout, precision=precision, tuning_logs=tuning_logs,
                            training=True)

@@ -107,7 +107,7 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     # other models)
     passes += [int8_contractions(widened=not has_int8_dot(options.target))] if options.on_cpu else []
     passes.append(rows_then_whole())
-    passes += [paper_graph_rewrites(options.layout)] if paper else []
+    passes += [paper_graph_rewrites(options.layout, options.target_kind)] if paper else []
     passes += list(training.before_precision)
     passes += precision_passes(options.precision, training=options.training, target_kind=options.target_kind,
                                packed_lanes=options.packed_lanes)
@@ -115,7 +115,8 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     if not options.training and (paper or options.precision != "fp32" or options.packed_lanes):
         passes.append(relax.transform.LiftTransformParams())
     if paper:
-        passes += [relax.transform.FuseOpsByPattern(paper_patterns(training.patterns), bind_constants=False,
+        passes += [relax.transform.FuseOpsByPattern(paper_patterns(training.patterns, options.target_kind),
+                                                    bind_constants=False,
                                                     annotate_codegen=False),
                    name_paper_kernels(), record_read_fractions(record.read_fractions)]
     return passes

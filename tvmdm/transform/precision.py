@@ -251,22 +251,21 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Pac
 
 
 def half_contractions(dtype: str = "float16", training: bool = False) -> tvm.transform.Pass:
-    """CUDA: matmul(x, W) with W a weight -> matmul(x as fp16, W as fp16, out_dtype=fp32) (or bf16). dlight's
-    Matmul rule schedules an fp16 one on tensor cores (WMMA) when every dim exceeds 64 (sm_70 and later; it has
-    no bf16 tensor-core rule); the weight's cast is weight-only, so LiftTransformParams makes it once at load.
-    ``training``: every fp32 contraction of every function (forward and backward; the fp32 master weights are
-    cast each step)."""
+    """CUDA: every fp32 matmul -> matmul(a as fp16, b as fp16, out_dtype=fp32) (or bf16): the weight
+    contractions and the attention's batched ones alike, so all of them run on tensor cores
+    (schedules.tensor_cores for fp16; there is no bf16 tensor-core rule). A weight's cast is weight-only, so
+    LiftTransformParams makes it once at load; an activation's cast fuses into its producer (the QKV
+    projection's transposes, the softmax). ``training``: in every function (forward and backward; the fp32
+    master weights are cast each step)."""
 
-    return function_pass("tvmdm.HalfContractions", lambda mod, name: _half_function(mod, name, dtype, training),
+    return function_pass("tvmdm.HalfContractions", lambda mod, name: _half_function(mod, name, dtype),
                          every_function=training)
 
 
-def _half_function(mod: tvm.IRModule, name: str, dtype: str, training: bool) -> tvm.IRModule:
+def _half_function(mod: tvm.IRModule, name: str, dtype: str) -> tvm.IRModule:
     func = mod[name]
-    weights, bindings, seen = _weights(func), bindings_of(func), {}
-    targets = {var for var, value in bindings.items() if call_op(value) == "relax.matmul"
-               and value.args[0].ty.dtype == "float32" and value.args[1].ty.dtype == "float32"
-               and (training or _weight_operand(value.args[1], weights, bindings, seen))}
+    targets = {var for var, value in bindings_of(func).items() if call_op(value) == "relax.matmul"
+               and value.args[0].ty.dtype == "float32" and value.args[1].ty.dtype == "float32"}
     if not targets:
         return mod
 
