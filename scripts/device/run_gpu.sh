@@ -9,6 +9,8 @@ run=${TVMDM_RUN_DIR:-.device/run}
 out=${OUT:-gpu-out}
 [ -f "$run/plan.json" ] || { echo "$run/plan.json missing: run python -m tvmdm.bench.gpu_prepare first" >&2; exit 2; }
 site=$(mktemp -d /tmp/tvmdm-site.XXXX)
-tar -xJf "$run/runtime.tar.xz" -C "$site" --strip-components=1
+# (Python's tarfile: the GPU machine's image need not have xz)
+python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$run/runtime.tar.xz" "$site"
+site=$site/site
 export PYTHONPATH=$site:$PWD TVM_USE_RUNTIME_LIB=1 PYTHONUNBUFFERED=1
 exec python3 -m tvmdm.bench.gpu_run "$run" "$out" "$@"

@@ -193,6 +193,9 @@ def main(argv=None) -> int:
     total = sum(folder_bytes(args.out).values())
     print(f"{args.out}: {total / 2**20:.1f} MiB + repository {tree / 2**20:.1f} MiB (one call carries "
           f"{CARRY_LIMIT // 2**20}); expected GPU time {gpu_plan.plan_cost(plan, True):.0f} s with torch.compile")
+    carry = os.path.relpath(args.out, ROOT)
+    print(f"next, one device call: run(command='bash scripts/device/run_gpu.sh', carry=['{carry}'], timeout_s=600)"
+          + (f" with TVMDM_RUN_DIR={carry}" if carry != os.path.join(".device", "run") else ""))
     return 0
 
 
