@@ -135,3 +135,32 @@ def test_a_member_changed_after_export_is_refused_before_it_is_used(tmp_path, ti
     flipped.write_bytes(bytes(data))
     with pytest.raises(tvmdm.ArtifactError, match=rf"{flipped}: model.so does not match its checksum"):
         tvmdm.load(flipped)
+
+
+def test_deployed_training_step_needs_only_tvms_runtime_library(tmp_path, tiny_layer):
+    # A training step compiled here trains elsewhere with libtvm_runtime alone (tvmdm.runtime.train_step, the
+    # optimizer's and loss scaler's state from tvmdm.core.training): the same losses as the step it came from.
+    step = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8, optimizer=tvmdm.AdamW(lr=1e-2))
+    feeds = tvmdm.random_inputs(step, batch=2, seq=8)
+    labels = np.random.default_rng(1).standard_normal(step.target_spec.shape).astype(np.float32)
+    np.savez(tmp_path / "batch.npz", **feeds, labels=labels)
+    path = step.export(tmp_path / "step.tar")
+    script = textwrap.dedent("""
+        import json, sys
+        import numpy as np
+        import tvmdm
+        step = tvmdm.load_train_step(sys.argv[1])
+        with np.load(sys.argv[2]) as npz:
+            batch = dict(npz)
+        print(json.dumps([step.step(batch) for _ in range(2)]))
+        assert "libtvm_compiler" not in open("/proc/self/maps").read(), "the compiler library was loaded"
+        assert "tvm.relax" not in sys.modules and "onnx" not in sys.modules
+        print("runtime only")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, path, str(tmp_path / "batch.npz")], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, TVM_USE_RUNTIME_LIB="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = json.loads(proc.stdout.splitlines()[0])
+    batch = dict(feeds, labels=labels)
+    assert losses == pytest.approx([step.step(batch), step.step(batch)], rel=1e-6)
+    assert "runtime only" in proc.stdout
