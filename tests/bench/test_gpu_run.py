@@ -137,10 +137,11 @@ def test_preflight_fails_in_seconds_without_a_usable_gpu(prepared, tmp_path):
     done = _run(run, site, tmp_path, "--device", "cuda")
     assert done.returncode == 3, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_run.json").read_text())
-    # which of them: no libcudart, TVM's CUDA runtime not loadable (here: no driver, libcuda.so.1), or loaded with
-    # no device behind it; said, and nothing else ran
+    # which of them: no libcudart, no driver (libcuda.so.1: here), TVM's CUDA runtime not loadable, or loaded
+    # with no device behind it; said, and nothing else ran
     error = report["preflight_error"]
     assert error.startswith("PreflightError: ")
-    assert re.search(r"libcudart\.so\.13 not found|libtvm_runtime_cuda\.so does not load: \S+|tvm\.cuda\(0\) does not exist", error)
+    assert re.search(r"libcudart\.so\.13 not found|libcuda\.so\.1 \(the NVIDIA driver\) not found|"
+                     r"libtvm_runtime_cuda\.so does not load: \S+|tvm\.cuda\(0\) does not exist", error), error
     assert report["configs"] == {}
     assert "PREFLIGHT FAILED" in (tmp_path / "gpu_run.log").read_text()

@@ -47,22 +47,33 @@ def cudart_candidates() -> list[str]:
     return [p for p in dict.fromkeys(found) if os.path.isfile(p)]
 
 
+DRIVER_DIRS = ("/usr/local/nvidia/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib64")
+
+
+def _load_first(paths) -> str | None:
+    """The first of ``paths`` that loads (RTLD_GLOBAL: later libraries find it by its soname), or None."""
+    for path in paths:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return path
+        except OSError:
+            continue
+    return None
+
+
 def load_cuda_runtime() -> dict:
-    """Load libcudart (from the loader path, else a known place), then TVM's CUDA runtime library; PreflightError
-    saying which one failed and why."""
+    """Load libcudart and the driver (from the loader path, else a known place), then TVM's CUDA runtime
+    library; PreflightError saying which one failed and why."""
     import tvm
     from tvm.base import _LOADED_LIBS
 
-    tried = []
-    for path in [CUDART, *cudart_candidates()]:
-        try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            cudart = path
-            break
-        except OSError as err:
-            tried.append(f"{path}: {err}")
-    else:
-        raise PreflightError(f"{CUDART} not found (tried {tried}); set CUDA_HOME or LD_LIBRARY_PATH")
+    candidates = [CUDART, *cudart_candidates()]
+    cudart = _load_first(candidates)
+    if cudart is None:
+        raise PreflightError(f"{CUDART} not found (tried {candidates}); set CUDA_HOME or LD_LIBRARY_PATH")
+    driver = _load_first(["libcuda.so.1", *(os.path.join(d, "libcuda.so.1") for d in DRIVER_DIRS)])
+    if driver is None:
+        raise PreflightError("libcuda.so.1 (the NVIDIA driver) not found: no GPU driver on this machine")
     runtime_dir = os.path.dirname(os.path.realpath(_LOADED_LIBS["tvm_runtime"]._name))
     cuda_lib = os.path.join(runtime_dir, "libtvm_runtime_cuda.so")
     try:
@@ -72,8 +83,8 @@ def load_cuda_runtime() -> dict:
     if not tvm.cuda(0).exist:
         raise PreflightError("TVM's CUDA runtime loaded, but tvm.cuda(0) does not exist: no usable GPU or driver")
     dev = tvm.cuda(0)
-    return {"cudart": cudart, "tvm_cuda": cuda_lib, "device": dev.device_name, "compute": dev.compute_version,
-            "multiprocessors": dev.multi_processor_count}
+    return {"cudart": cudart, "driver": driver, "tvm_cuda": cuda_lib, "device": dev.device_name,
+            "compute": dev.compute_version, "multiprocessors": dev.multi_processor_count}
 
 
 def onnxruntime_on_gpu() -> str:
