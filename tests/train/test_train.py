@@ -323,7 +323,7 @@ def test_training_step_builds_for_cuda_without_a_gpu(tiny_layer):
 
 
 def test_data_parallel_masks_are_slices_of_the_full_batch_masks():
-    from tvmdm.train.dropout import DropoutSite, masks_for_step
+    from tvmdm.core.training import DropoutSite, masks_for_step
 
     full_sites = [DropoutSite("attention_probs.0", (4, 2, 8, 8), "float32"), DropoutSite("hidden.0", (4, 8, 32),
                                                                                           "float32")]

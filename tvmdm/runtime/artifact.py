@@ -161,16 +161,32 @@ def read_params(path) -> dict:
         return _read_params(tar, json.loads(tar.extractfile("manifest.json").read()))
 
 
-def runner_manifest(runner) -> dict:
-    """What ``load`` needs beside the library and the weights to rebuild ``runner`` (a Compiled)."""
+def runner_fields(runner) -> dict:
+    """The manifest entries of any compiled module (a Compiled or a TrainStep): its target kind, inputs,
+    outputs, index bounds and whether it uses the AMX tiles."""
     return {
-        "format": FORMAT, "version": VERSION,
         "target_kind": runner.target_kind,
         "inputs": [s.to_json() for s in runner.inputs],
         "outputs": [s.to_json() for s in runner.outputs],
         "index_bounds": {k: list(v) for k, v in runner.index_bounds.items()},
         "amx": runner.uses_amx,
     }
+
+
+def runner_kwargs(manifest: dict) -> dict:
+    """``runner_fields`` read back as ModelRunner's (and TrainStep's) keyword arguments; call it inside
+    ``manifest_entries``. (The AMX flag is set on the runner after construction.)"""
+    from tvmdm.core.spec import TensorSpec
+
+    return {"inputs": [TensorSpec.from_json(s) for s in manifest["inputs"]],
+            "outputs": [TensorSpec.from_json(s) for s in manifest["outputs"]],
+            "target_kind": manifest["target_kind"],
+            "index_bounds": {k: tuple(v) for k, v in manifest["index_bounds"].items()}}
+
+
+def runner_manifest(runner) -> dict:
+    """What ``load`` needs beside the library and the weights to rebuild ``runner`` (a Compiled)."""
+    return {"format": FORMAT, "version": VERSION, **runner_fields(runner)}
 
 
 def export_artifact(runner, path) -> str:
@@ -182,14 +198,9 @@ def runner_from_parts(manifest: dict, lib, params: dict, path, reload_params=Non
     """A runner from a manifest (``runner_manifest``), a loaded library and the weights by name; ``path`` names
     the source in errors."""
     from tvmdm.runtime.runner import ModelRunner
-    from tvmdm.core.spec import TensorSpec
 
     with manifest_entries(path):
-        runner = ModelRunner(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
-                             outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]], params=params,
-                             target_kind=manifest["target_kind"],
-                             index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
-                             reload_params=reload_params)
+        runner = ModelRunner(lib, params=params, reload_params=reload_params, **runner_kwargs(manifest))
         runner.uses_amx = bool(manifest.get("amx", False))  # (written since the AMX kernels; older: none)
         return runner
 

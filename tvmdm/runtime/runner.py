@@ -160,10 +160,14 @@ class ModelRunner:
         """Seconds per call over ``repeat`` calls (after one warm-up), measured by TVM's time evaluator."""
         checked = self.check_inputs(inputs)
         self._ensure_loaded()
-        args = [device_tensor(checked[n], self.device) for n in self.input_names] + self._params
-        self._vm.set_input("main", *args)
+        return self._time_on_device("main", [device_tensor(checked[n], self.device) for n in self.input_names]
+                                    + self._params, repeat)
+
+    def _time_on_device(self, function: str, args: list, repeat: int) -> list[float]:
+        """Seconds per call of the VM's ``function`` on ``args`` (already on the device), one warm-up first."""
+        self._vm.set_input(function, *args)
         timer = self._vm.time_evaluator("invoke_stateful", self.device, number=1, repeat=repeat, min_repeat_ms=0)
-        return list(timer("main").results)
+        return list(timer(function).results)
 
 
 def _provide_assert_op() -> None:

@@ -95,9 +95,8 @@ class TrainStep(ModelRunner):
     def step(self, batch: dict) -> float:
         """One training step (forward, loss, backward, AdamW update) on ``batch``; returns the loss. With loss
         scaling, a step whose gradients overflow changes nothing but the scale (as torch's GradScaler)."""
-        args, target = self._split_batch(batch)
-        result = self._vm["train_step"](*args, *self._scale_args(), target, *self._params, *self._moments["m"],
-                                        *self._moments["v"], *self._update_scalars())
+        args = self._train_step_args(batch)  # (loads the module first)
+        result = self._vm["train_step"](*args)
         if self.loss_scaler is None:
             self._take_update(list(result[1:]))
         else:
@@ -111,12 +110,14 @@ class TrainStep(ModelRunner):
         """Seconds per training step over ``repeat`` steps (after one warm-up), timed on the device by TVM's time
         evaluator: batch, weights and moments already there, no loss read back. The state is not advanced (each
         timed step starts from the current weights)."""
+        return self._time_on_device("train_step", self._train_step_args(batch), repeat)
+
+    def _train_step_args(self, batch: dict) -> list:
+        """train_step's arguments, on the device: inputs (and masks), loss scale, target, weights, moments and
+        the coming step's AdamW scalars."""
         args, target = self._split_batch(batch)
-        call = [*args, *self._scale_args(), target, *self._params, *self._moments["m"], *self._moments["v"],
+        return [*args, *self._scale_args(), target, *self._params, *self._moments["m"], *self._moments["v"],
                 *self._update_scalars()]
-        self._vm.set_input("train_step", *call)
-        timer = self._vm.time_evaluator("invoke_stateful", self.device, number=1, repeat=repeat, min_repeat_ms=0)
-        return list(timer("train_step").results)
 
     def gradients(self, batch: dict) -> tuple[float, dict[str, np.ndarray]]:
         """Loss and the gradient of every weight on ``batch``, without updating anything."""
@@ -191,16 +192,15 @@ class TrainStep(ModelRunner):
 
     def manifest(self) -> dict:
         """What ``load_train_step`` needs beside the library and the state to rebuild this step."""
+        from tvmdm.runtime.artifact import runner_fields
+
         return {
-            "format": FORMAT, "version": VERSION, "target_kind": self.target_kind,
-            "inputs": [s.to_json() for s in self.inputs], "outputs": [s.to_json() for s in self.outputs],
-            "index_bounds": {k: list(v) for k, v in self.index_bounds.items()},
+            "format": FORMAT, "version": VERSION, **runner_fields(self),
             "target": self.target_spec.to_json(), "loss": self.loss_name, "lr": self.lr,
             "memory": self.memory, "checkpoint": self.checkpoint, "dropout": self.dropout.to_json(),
             "optimizer": {"lr": self.optimizer.lr, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps,
                           "weight_decay": self.optimizer.weight_decay},
             "loss_scaler": self.loss_scaler.to_json() if self.loss_scaler else None,
-            "amx": self.uses_amx,
         }
 
     def export(self, path: "str | os.PathLike") -> str:
@@ -221,15 +221,12 @@ def load_train_step(path: "str | os.PathLike") -> TrainStep:
 def train_step_from_parts(manifest: dict, lib, state: dict, path) -> TrainStep:
     """A step from a manifest (``TrainStep.manifest``), a loaded library and its state (``state_dict``'s
     names); ``path`` names the source in errors."""
-    from tvmdm.runtime.artifact import manifest_entries
+    from tvmdm.runtime.artifact import manifest_entries, runner_kwargs
 
     with manifest_entries(path):
         opt = manifest["optimizer"]
         names = [k.split("/", 1)[1] for k in state if k.startswith("weights/")]
-        ts = TrainStep(lib, inputs=[TensorSpec.from_json(s) for s in manifest["inputs"]],
-                       outputs=[TensorSpec.from_json(s) for s in manifest["outputs"]],
-                       params={n: state[f"weights/{n}"] for n in names}, target_kind=manifest["target_kind"],
-                       index_bounds={k: tuple(v) for k, v in manifest["index_bounds"].items()},
+        ts = TrainStep(lib, params={n: state[f"weights/{n}"] for n in names}, **runner_kwargs(manifest),
                        target_spec=TensorSpec.from_json(manifest["target"]),
                        optimizer=AdamW(opt["lr"], tuple(opt["betas"]), opt["eps"], opt["weight_decay"]),
                        loss_name=manifest["loss"],

@@ -1,8 +1,8 @@
 """Dropout for the training step: keep-masks made on the host per step (seeded), multiplied in by the graph.
 
 Relax has no random-number op (and ``nn.dropout`` legalizes to identity, without a gradient), so the training
-graph takes one mask input per dropout site; ``masks_for_step`` draws them from ``(seed, step)`` alone, so a
-run is reproducible and a resumed run draws the masks it would have drawn. A mask holds 0 or 1/(1-p), as
+graph takes one mask input per dropout site; ``tvmdm.core.training.masks_for_step`` draws them from
+``(seed, step)`` alone, so a run is reproducible and a resumed run draws the masks it would have drawn. A mask holds 0 or 1/(1-p), as
 torch's inverted dropout scales kept values.
 
 Sites, where HF BERT applies dropout (found in the imported graph, in binding order):
@@ -16,7 +16,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from tvmdm.core.training import DropoutConfig, DropoutSite, masks_for_step  # noqa: F401 (re-exported)
+from tvmdm.core.training import DropoutSite
 from tvmdm.transform.ir import call_op, function_pass, rewritten
 
 

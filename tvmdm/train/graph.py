@@ -16,7 +16,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from tvmdm.core.training import IGNORE_INDEX, AdamW, LossScaler, check_learning_rate  # noqa: F401 (re-exported)
+from tvmdm.core.training import IGNORE_INDEX, AdamW
 
 LOSSES = ("mse", "cross_entropy")
 

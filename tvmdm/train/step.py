@@ -24,16 +24,15 @@ from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT
 from tvmdm.transform.graph_rewrites import paper_graph_rewrites
 from tvmdm.transform.index_guards import guard_gathers, too_long_for_positions
 from tvmdm.train import graph as train_graph
-from tvmdm.train.dropout import DropoutConfig, strip_exported_dropout
+from tvmdm.train.dropout import strip_exported_dropout
 from tvmdm.core.errors import InputError, ShapeError, TvmdmError
 from tvmdm.core.spec import TensorSpec
-from tvmdm.runtime.train_step import TARGET_KEYS, TrainStep, load_train_step  # noqa: F401 (re-exported)
+from tvmdm.core.training import AdamW, DropoutConfig, LossScaler
+from tvmdm.runtime.train_step import TARGET_KEYS, TrainStep
 from tvmdm.core.precision import check_precision
 from tvmdm.core.target import make_target
 
 log = logging.getLogger("tvmdm")
-
-from tvmdm.core.training import IGNORE_INDEX, AdamW, LossScaler  # noqa: E402,F401 (re-exported)
 
 
 def _loss_scaler(loss_scale, precision: str) -> LossScaler | None:

@@ -113,7 +113,8 @@ def run_train(model=None, *, steps: int = 50, batch: int = 8, seq: int = 32, lr:
               target: str = "llvm", plot: str | None = None, json_path: str | None = None,
               export: str | None = None, dropout: float = 0.0, checkpoint=False, stream=None,
               tuning_logs="shipped") -> list[float]:
-    from tvmdm.train.step import AdamW, compile_train_step
+    from tvmdm.core.training import AdamW
+    from tvmdm.train.step import compile_train_step
 
     from tvmdm.runtime.inputs import check_positive
 
