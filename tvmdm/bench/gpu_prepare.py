@@ -8,7 +8,7 @@ Writes into OUT (ignored by git; name it in the device call's ``carry``):
   NAME.so           each configuration of ``tvmdm.bench.gpu_plan`` compiled for ``--arch`` (CUDA code inside);
   NAME.json         what the GPU machine needs to run it: the runner's manifest, the weights' recipe (model name,
                     order, sha256) and the compile's own numbers;
-  plan.json         the plan, each part's expected GPU seconds and every file's size.
+  plan.json         the plan, its expected GPU seconds (torch.compile included) and the repository's size.
 It refuses (exit 2) when OUT would not fit one call beside the repository's files. Then
 ``bash scripts/device/run_gpu.sh`` on the GPU machine runs it (``tvmdm.bench.gpu_run``).
 """
@@ -85,14 +85,13 @@ def write_runtime(path: str, ffi_wheel: str | None) -> int:
     return os.path.getsize(path)
 
 
-def compile_config(config: GpuConfig, target: str):
-    """(runner, its manifest, the weights' names in order) of ``config`` compiled for ``target``."""
+def compile_config(config: GpuConfig, proto, target: str):
+    """(runner, its manifest, the weights' names in order) of ``config`` (its model ``proto``) compiled for
+    ``target``."""
     import tvmdm
-    from tvmdm import models
     from tvmdm.build.shapes import resolve_shapes
     from tvmdm.core.training import BENCH_LR
 
-    proto = models.default_model(config.model)
     if config.train:
         step = tvmdm.compile_train_step(proto, loss="mse", optimizer=tvmdm.AdamW(lr=BENCH_LR), target=target,
                                         batch=config.batch, seq=config.seq, precision=config.precision)
@@ -104,20 +103,22 @@ def compile_config(config: GpuConfig, target: str):
     return compiled, runner_manifest(compiled), list(compiled.params())
 
 
-def model_weights(model: str) -> dict:
-    """The embedded model's initializers by name: what both machines rebuild from the model's config and seed."""
+def initializers(proto) -> dict:
+    """A model's initializers by name: for an embedded model, what both machines rebuild from its config and
+    seed."""
     import onnx
 
-    from tvmdm import models
-
-    return {t.name: onnx.numpy_helper.to_array(t) for t in models.default_model(model).graph.initializer}
+    return {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
 
 
 def prepare_config(config: GpuConfig, target: str, out: str, log=print) -> dict:
+    from tvmdm import models
+
+    proto = models.default_model(config.model)  # (BERT-base: 4 s to draw its weights: once per configuration)
     t0 = time.perf_counter()
-    runner, manifest, names = compile_config(config, target)
+    runner, manifest, names = compile_config(config, proto, target)
     compile_s = time.perf_counter() - t0
-    weights = model_weights(config.model)
+    weights = initializers(proto)
     missing = [n for n in names if n not in weights]
     if missing:
         raise RuntimeError(f"{config.name}: weights {missing[:3]} are not initializers of {config.model}")
@@ -182,12 +183,12 @@ def main(argv=None) -> int:
         os.makedirs(cache, exist_ok=True)
         ffi = args.ffi_wheel or tvm_ffi_wheel(cache)
     print(f"runtime.tar.xz: {write_runtime(os.path.join(args.out, 'runtime.tar.xz'), ffi) / 2**20:.1f} MiB")
-    entries = {c.name: prepare_config(c, target, args.out) for c in [gpu_plan.PREFLIGHT, *plan]
-               if c.name != gpu_plan.PREFLIGHT.name or c is gpu_plan.PREFLIGHT}  # each compiled once
+    for config in {c.name: c for c in [gpu_plan.PREFLIGHT, *plan]}.values():  # the preflight's twin: once
+        prepare_config(config, target, args.out)
     tree = tree_bytes()
     with open(os.path.join(args.out, "plan.json"), "w") as f:
-        json.dump({"arch": args.arch, "target": target, "preflight": gpu_plan.PREFLIGHT.name, "plan": [c.to_json() for c in plan],
-                   "expected_gpu_s": gpu_plan.plan_cost(plan, torch_compile=True), "tree_bytes": tree,
+        json.dump({"arch": args.arch, "target": target, "preflight": gpu_plan.PREFLIGHT.name,
+                   "plan": [c.to_json() for c in plan], "expected_gpu_s": gpu_plan.plan_cost(plan, torch_compile=True), "tree_bytes": tree,
                    "created": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
     check_sizes(args.out, tree)
     total = sum(folder_bytes(args.out).values())

@@ -42,8 +42,7 @@ def cudart_candidates() -> list[str]:
     roots = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
     found = [os.path.join(r, sub, CUDART) for r in roots if r for sub in ("lib64", "lib", "targets/x86_64-linux/lib")]
     for site in sys.path:
-        found += glob.glob(os.path.join(site, "nvidia", "*", "lib", CUDART))
-        found += glob.glob(os.path.join(site, "nvidia", "cu*", "lib", CUDART))
+        found += glob.glob(os.path.join(site, "nvidia", "*", "lib", CUDART))  # nvidia/cuda_runtime, nvidia/cu13
     return [p for p in dict.fromkeys(found) if os.path.isfile(p)]
 
 
@@ -111,10 +110,12 @@ def runtime_only() -> dict:
 
 
 def load_config(run_dir: str, name: str):
-    """(config, runner) of a prepared configuration: library loaded, weights rebuilt and checked."""
+    """(config, runner, the model's ONNX proto) of a prepared configuration: library loaded, weights rebuilt
+    from the model's seed (once: PyTorch's twins take the same proto) and checked."""
     from tvm import runtime
 
-    from tvmdm.bench.gpu_prepare import model_weights
+    from tvmdm import models
+    from tvmdm.bench.gpu_prepare import initializers
     from tvmdm.runtime.artifact import runner_from_parts
     from tvmdm.runtime.train_step import train_step_from_parts
 
@@ -122,7 +123,8 @@ def load_config(run_dir: str, name: str):
         entry = json.load(f)
     config = GpuConfig.from_json(entry["config"])
     recipe = entry["weights"]
-    weights = model_weights(recipe["model"])
+    proto = models.default_model(recipe["model"])
+    weights = initializers(proto)
     chosen = {n: weights[n] for n in recipe["names"]}
     if gpu_plan.weights_digest(chosen) != recipe["sha256"]:
         raise RuntimeError(f"{name}: the weights rebuilt here from {recipe['model']}'s seed differ from those it "
@@ -132,8 +134,8 @@ def load_config(run_dir: str, name: str):
         state = {f"weights/{n}": v for n, v in chosen.items()}
         state |= {f"adam_{k}/{n}": np.zeros_like(v) for k in "mv" for n, v in chosen.items()}
         state["step"] = np.array(0, np.int64)
-        return config, train_step_from_parts(entry["manifest"], lib, state, name)
-    return config, runner_from_parts(entry["manifest"], lib, chosen, name)
+        return config, train_step_from_parts(entry["manifest"], lib, state, name), proto
+    return config, runner_from_parts(entry["manifest"], lib, chosen, name), proto
 
 
 def device_times(fn, repeat: int, device: str) -> list[float]:
@@ -165,19 +167,20 @@ def ms(times) -> float:
     return round(float(np.median(times)) * 1e3, 4)
 
 
-def run_inference(config: GpuConfig, runner, device: str, repeat: int, torch_compile: bool) -> dict:
+def run_inference(config: GpuConfig, runner, proto, device: str, repeat: int, torch_compile: bool) -> dict:
     """Outputs against PyTorch fp32 on the same device, then device-side and end-to-end medians (ms)."""
     import torch
 
     from tvmdm.bench.timing import time_until_stable
+    from tvmdm.build.check import compare_outputs
     from tvmdm.core.precision import MAX_REL_ERR
     from tvmdm.models.torch_reference import TorchReference
     from tvmdm.runtime.inputs import random_inputs
 
     feeds = random_inputs(runner, batch=config.batch, seq=config.seq)
-    reference = TorchReference(config.model, device=device, precision="fp32").run(feeds)[0]
-    got = runner.run(feeds)[0]
-    rel = float(np.max(np.abs(got - reference)) / max(float(np.max(np.abs(reference))), 1e-30))
+    fp32 = TorchReference(config.model, proto, device=device, precision="fp32")
+    check = compare_outputs(runner.output_names[:1], runner.run(feeds)[:1], fp32.run(feeds), 1e-4, 1e-4)
+    rel = check.outputs[0].max_rel_err
     bound = MAX_REL_ERR.get(config.precision, 1e-4)
     result = {"max_rel_err": rel, "bound": bound, "ok": rel <= bound, "device_ms": {}, "end_to_end_ms": {}}
     result["device_ms"]["tvmdm"] = ms(runner.time(feeds, repeat=repeat))
@@ -185,10 +188,10 @@ def run_inference(config: GpuConfig, runner, device: str, repeat: int, torch_com
     systems = {"torch-eager": "fp32", f"torch-eager[{config.precision}]": config.precision} \
         if config.precision != "fp32" else {"torch-eager": "fp32"}
     for name, precision in systems.items():
-        ref = TorchReference(config.model, device=device, precision=precision)
+        ref = fp32 if precision == "fp32" else TorchReference(config.model, proto, device=device, precision=precision)
         compiled = torch_compile and config.compile_s and precision == config.precision
         variants = [(name, ref)] + ([(name.replace("eager", "compile"), TorchReference(
-            config.model, device=device, precision=precision).compile())] if compiled else [])
+            config.model, proto, device=device, precision=precision).compile())] if compiled else [])
         for label, system in variants:
             inputs = system.torch_inputs(feeds)
 
@@ -201,7 +204,7 @@ def run_inference(config: GpuConfig, runner, device: str, repeat: int, torch_com
     return result
 
 
-def run_training(config: GpuConfig, step, device: str, repeat: int) -> dict:
+def run_training(config: GpuConfig, step, proto, device: str, repeat: int) -> dict:
     """Two steps' losses against PyTorch's step (AMP for fp16) from the same weights, then step times (ms)."""
     from tvmdm.bench.timing import time_until_stable
     from tvmdm.core.training import BENCH_LR
@@ -213,7 +216,8 @@ def run_training(config: GpuConfig, step, device: str, repeat: int) -> dict:
     batch = dict(feeds, labels=labels)
     ours = [step.step(batch) for _ in range(2)]
     autocast = "fp16" if config.precision == "fp16" else None
-    torch_fn = torch_step(TorchReference(config.model, device=device), feeds, labels, BENCH_LR, autocast=autocast)
+    torch_fn = torch_step(TorchReference(config.model, proto, device=device), feeds, labels, BENCH_LR,
+                          autocast=autocast)
     theirs = [torch_fn() for _ in range(2)]
     rtol = 1e-2 if autocast else 1e-3
     agree = all(abs(a - b) <= rtol * abs(b) for a, b in zip(ours, theirs))
@@ -288,8 +292,8 @@ def main(argv=None) -> int:
             found["onnxruntime"] = onnxruntime_on_gpu()
         report.data["preflight"] = found
         report.log(f"preflight: {found}")
-        config, runner = load_config(args.run_dir, plan_file["preflight"])
-        check = run_inference(config, runner, args.device, repeat=3, torch_compile=False)
+        check = run_inference(*load_config(args.run_dir, plan_file["preflight"]), args.device, repeat=3,
+                              torch_compile=False)
         report.data["preflight"]["check"] = check
         if not check["ok"]:
             raise PreflightError(f"the preflight model disagrees with PyTorch: max rel error {check['max_rel_err']:.2e}")
@@ -310,10 +314,10 @@ def main(argv=None) -> int:
         report.log(f"== {config.name} ({left:.0f} s left)")
 
         def part(config=config):
-            config, runner = load_config(args.run_dir, config.name)
+            config, runner, proto = load_config(args.run_dir, config.name)
             if config.train:
-                return run_training(config, runner, args.device, args.repeat)
-            return run_inference(config, runner, args.device, args.repeat, args.torch_compile)
+                return run_training(config, runner, proto, args.device, args.repeat)
+            return run_inference(config, runner, proto, args.device, args.repeat, args.torch_compile)
 
         record = run_part(report, config.name, part)
         report.log(f"{config.name}: {json.dumps({k: record.get(k) for k in ('device_ms', 'ok', 'error') if k in record})}")
