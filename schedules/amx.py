@@ -27,6 +27,7 @@ import functools
 import warnings
 
 import tvm
+import tvm.sym
 from tvm import tirx
 from tvm.s_tir import Schedule, TensorIntrin
 from tvm.s_tir.analysis import estimate_tir_flops
@@ -207,33 +208,64 @@ def tile_block_rows(rows: int, n: int, k: int, k_step: int = K_STEP) -> int | No
     return next((r for r in (BLOCK, TILE_ROWS) if rows % r == 0), None)
 
 
+def _unit_rows(sch, m, n_extent: int, k_extent: int, k_step: int) -> tuple[int, int] | None:
+    """(rows of a block, blocks per unit) for the row loop ``m``; None where whole tiles do not fit. Symbolic
+    rows come padded to whole blocks (tvmdm.transform.kernels.BF16_ROW_PAD): one block per unit."""
+    extent = sch.get(m).extent
+    if not isinstance(extent, tirx.IntImm):
+        analyzer = tvm.sym.Analyzer()
+        fits = n_extent % BLOCK == 0 and k_extent % k_step == 0 and analyzer.can_prove(
+            tvm.tirx.floormod(extent, BLOCK) == 0)
+        return (BLOCK, 1) if fits else None
+    rows = tile_block_rows(int(extent), n_extent, k_extent, k_step)
+    if rows is None:
+        return None
+    return rows, next(g for g in GROUPS if int(extent) % (rows * g) == 0)
+
+
 def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False, op: TileOp = BF16_TILES) -> tirx.PrimFunc | None:
     """The tile schedule for a kernel holding ``op``'s contraction block (``bf16_gemm``, or ``int8_gemm`` on
-    vpdpbusd's packing; and fused epilogues); None where its shape does not fill whole blocks (symbolic rows,
-    rows, N or K off the block size)."""
+    vpdpbusd's packing; and fused epilogues); None where its shape does not fill whole blocks (rows, N or K
+    off the block size; symbolic rows not padded to whole blocks)."""
     sch = Schedule(func)
     inline_elementwise(sch, sch.get_sblock("root"))
     gemm = sch.get_sblock(op.block)
     *outer, m, n, k = sch.get_loops(gemm)
-    extents = [sch.get(x).extent for x in (m, n, k)]
-    if not all(isinstance(e, tirx.IntImm) for e in extents):
+    if not all(isinstance(sch.get(x).extent, tirx.IntImm) for x in (n, k)):
         return None
-    m_extent, n_extent, k_extent = (int(e) for e in extents)
-    rows = tile_block_rows(m_extent, n_extent, k_extent, op.k_step)
-    if rows is None:
+    n_extent, k_extent = int(sch.get(n).extent), int(sch.get(k).extent)
+    unit_rows = _unit_rows(sch, m, n_extent, k_extent, op.k_step)
+    if unit_rows is None:
         return None
-    groups = next(g for g in GROUPS if m_extent % (rows * g) == 0)
+    rows, groups = unit_rows
+    static_rows = isinstance(sch.get(m).extent, tirx.IntImm)
     mo, mi = sch.split(m, [None, rows * groups])
     no, ni = sch.split(n, [None, BLOCK])
-    sch.reorder(*outer, mo, no, mi, ni, k)
-    unit = sch.fuse(*outer, mo, no)
+    if static_rows:
+        sch.reorder(*outer, mo, no, mi, ni, k)
+        unit = sch.fuse(*outer, mo, no)
+    else:  # one block per unit: consecutive units share the weight panel (in L1) and walk the rows (in L2)
+        sch.reorder(no, *outer, mo, mi, ni, k)
+        unit = sch.fuse(no, *outer, mo)
     sch.parallel(unit)
-    acc = sch.cache_write(gemm, 0, "local")
-    sch.reverse_compute_at(acc, unit)
+    if static_rows:
+        acc = sch.cache_write(gemm, 0, "local")
+        sch.reverse_compute_at(acc, unit)
+    else:  # row_tiles' whole blocks are already an intermediate, copied out per unit (guarded)
+        acc = gemm
+        sch.set_scope(gemm, 0, "local")
+        copy_out = sch.get_consumers(gemm)
+        for block in copy_out:  # before tensorize replaces the block they read
+            sch.reverse_compute_at(block, unit)
     init = sch.decompose_reduction(gemm, mi)
     sch.vectorize(sch.get_loops(init)[-1])
     sch.tensorize(mi, amx_intrin(k_extent, groups, rows, emulate, op))
-    epilogue_into_tile(sch, acc, unit, LANES)
+    if static_rows:
+        epilogue_into_tile(sch, acc, unit, LANES)
+    else:
+        for block in copy_out:
+            inner = sch.get_loops(block)[-1]
+            sch.vectorize(sch.split(inner, [None, LANES])[1])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr(AMX_ATTR, not emulate)
 
 

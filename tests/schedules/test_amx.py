@@ -21,7 +21,7 @@ from tvmdm.core.precision import BF16_MAX_REL_ERR
 from tvmdm.core.target import make_target
 from tvmdm.models import BertConfig, build_encoder_layer
 from tvmdm.runtime import amx as amx_runtime
-from tvmdm.transform.kernels import gemm_func
+from tvmdm.transform.kernels import BF16_ROW_PAD, gemm_func
 
 # hidden and FFN whole 32-column blocks; 16 rows per sequence (one activation tile a block), 32 rows in all
 LAYER = BertConfig(hidden=96, heads=2, ffn=192, batch=2, seq=16)
@@ -73,6 +73,26 @@ def test_emulated_tiles_match_numpy(lead, k, n):
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("batch, seq", [(2, 5), (1, 32), (3, 40)])
+def test_emulated_tiles_of_symbolic_rows_match_numpy(batch, seq):
+    # one module for every (batch, seq): the operand comes with its rows padded to whole 32-row blocks
+    # (to_bf16_func), the rows past seq are computed and never written out
+    k, n = 64, 64
+    lead = (tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("seq", "int64"))
+    scheduled = amx.schedule_amx_gemm(gemm_func(lead, k, n).with_attr("global_symbol", "main"), emulate=True)
+    assert scheduled is not None
+    lib = tvm.compile(tvm.IRModule({"main": scheduled}), target=make_target("llvm"))
+    rng = np.random.default_rng(0)
+    padded = -(-seq // BF16_ROW_PAD) * BF16_ROW_PAD
+    x = _bits(rng.standard_normal((batch, padded, k)))
+    w = _bits(rng.standard_normal((k, n)))
+    packed = w.reshape(k // 2, 2, n // 16, 16).transpose(2, 0, 3, 1).copy()
+    out = tvm.runtime.tensor(np.zeros((batch, seq, n), np.float32))
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(packed), out)
+    ref = _value(x[:, :seq]).astype(np.float64) @ _value(w).astype(np.float64)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4)
+
+
 def test_shapes_off_the_tiles_are_left_to_the_next_rule():
     for lead, k, n in [((2, 8), 64, 64), ((32,), 48, 64), ((32,), 64, 48)]:
         assert amx.schedule_amx_gemm(gemm_func(lead, k, n).with_attr("global_symbol", "main")) is None
@@ -96,6 +116,30 @@ def test_sapphire_rapids_code_runs_the_contractions_on_tiles():
         assert re.search(r"\w+: T\.Buffer\(\(T\.int64\(\d+\), T\.int64\(\d+\), T\.int64\(16\), T\.int64\(2\)\), "
                          r"\"uint16\"\)", script), name
         assert "T.int64(64))" in script  # the B tiles' stride
+
+
+def test_symbolic_batch_and_seq_run_on_tiles_too():
+    compiled = tvmdm.compile(build_encoder_layer(LAYER), shapes={}, target=SPR.target(), precision="bf16",
+                             tuning_logs=None)
+    assert [s.shape for s in compiled.inputs] == [("batch", "seq", 96), ("batch", "seq")]
+    assert len(scheduled_by(compiled.mod, amx.AmxContractions())) == 4
+    asm = asm_of(compiled)
+    assert asm.count("ldtilecfg") == 4 and "tdpbf16ps" in asm and "vdpbf16ps" not in asm
+
+
+@pytest.mark.parametrize("batch, seq", [(2, 16), (1, 7), (3, 45)])
+def test_symbolic_module_on_tiles_matches_onnxruntime(monkeypatch, batch, seq):
+    # the tile units where this host has them, else the same tiles emulated
+    emulate = not amx_runtime.host_has_amx()
+    monkeypatch.setattr(amx, "EMULATE", emulate)
+    compiled = tvmdm.compile(build_encoder_layer(LAYER), shapes={}, precision="bf16", tuning_logs=None)
+    assert len(scheduled_by(compiled.mod, amx.AmxContractions())) == 4 and compiled.uses_amx == (not emulate)
+    inputs = tvmdm.random_inputs(compiled, batch=batch, seq=seq)
+    inputs["attention_mask"][0, seq // 2:] = 0
+    got, ref = compiled.run(inputs), compiled.reference(inputs)
+    assert got[0].shape == (batch, seq, 96)
+    err = max(float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(got, ref))
+    assert 0 < err <= BF16_MAX_REL_ERR
 
 
 def test_other_kinds_warn_and_keep_their_bf16_path():

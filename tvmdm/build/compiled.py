@@ -17,7 +17,6 @@ from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT
 from tvmdm.core.precision import check_precision
 from tvmdm.core.target import make_target
 from tvmdm.runtime.runner import ModelRunner
-from tvmdm.transform.precision import check_static_shapes
 
 log = logging.getLogger("tvmdm")
 
@@ -71,7 +70,7 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     layout: the attention's Q/K/V/context layout under fusion="paper": "bshd" (read and written where the
     projections put them, no transposes) or "bhsd" (head-major copies, as the ONNX graph writes).
     precision: "fp32"; "bf16" (CPU): the contractions read bf16 operands with fp32 accumulation
-    (AVX512-BF16; needs static shapes); "fp16" (CUDA): they read fp16 operands (tensor cores), fp32 out;
+    (AMX tiles where the CPU has them, else AVX512-BF16; symbolic rows in whole tiles of 32); "fp16" (CUDA): they read fp16 operands (tensor cores), fp32 out;
     "bf16" on CUDA: bf16 operands (dlight has no bf16 tensor-core rule: SIMT kernels).
     Everything else stays fp32; see tvmdm.transform.precision.
     tuning_logs: "shipped" (the logs in tuning_logs/ tuned for this target kind), a log directory or a list
@@ -84,8 +83,6 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     target = make_target(target)
     check_precision(precision, target.kind.name)
     imported = _import(model, shapes, params)
-    if precision == "bf16" and target.kind.name == "llvm":
-        check_static_shapes(imported.mod)
     import_seconds = time.perf_counter() - t0
     options = make_options(target, fusion=fusion, layout=layout, precision=precision, tuning_logs=tuning_logs,
                            symbolic=has_symbolic_inputs(imported.mod),

@@ -20,6 +20,9 @@ LANES = 16  # fp32 accumulators per vdpbf16ps
 PAIR = 2  # bf16 values per accumulator per vdpbf16ps
 BITS = "uint16"
 ROW_PAD = 8  # symbolic rows are computed in whole tiles of this many (a multiple of schedules.packed.ROWS)
+# bf16 operands of symbolic rows are converted into whole tiles of this many (the AMX block rows,
+# schedules.amx.BLOCK), so that the tile loads never read past them
+BF16_ROW_PAD = 32
 FP32_GEMM_BLOCK = "packed_gemm"  # fp32 contraction on packed weights (schedules.packed)
 FP32_PACK_BLOCK = "pack_weight"  # its weight packing
 TRANSPOSED_ROWS_BLOCK = "transpose_rows"  # X^T of its weight gradients
@@ -85,10 +88,25 @@ def lead_dims(lead) -> tuple:
 
 
 def to_bf16_func(shape) -> tirx.PrimFunc:
-    shape = int64_dims(shape)
-    x = te.placeholder(shape, "float32", name="x")
-    out = te.compute(shape, lambda *i: bf16_bits(x(*i)), name="to_bf16")
+    """x (fp32) -> its bf16 bits. Symbolic rows (the last leading dim): the output holds them padded to whole
+    tiles of BF16_ROW_PAD (padded_rows), the rows past the end copies of the last one, so that a contraction
+    reads whole tiles of it in place (gemm_func)."""
+    *lead, k = shape
+    if all(isinstance(d, (int, tirx.IntImm)) for d in lead):
+        shape = int64_dims(shape)
+        x = te.placeholder(shape, "float32", name="x")
+        out = te.compute(shape, lambda *i: bf16_bits(x(*i)), name="to_bf16")
+        return private_func(te.create_prim_func([x, out]))
+    lead = lead_dims(lead)
+    x = te.placeholder(lead + int64_dims((k,)), "float32", name="x")
+    out = te.compute(lead[:-1] + (padded_rows(lead[-1], BF16_ROW_PAD),) + int64_dims((k,)),
+                     lambda *i: bf16_bits(x(*clamped_rows(i[:-1], lead), i[-1])), name="to_bf16")
     return private_func(te.create_prim_func([x, out]))
+
+
+def padded_rows(rows, pad: int = ROW_PAD):
+    """``rows`` rounded up to whole tiles of ``pad``."""
+    return (rows + pad - 1) // pad * pad
 
 
 def private_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -121,16 +139,20 @@ def gemm_func(lead, k: int, n: int, batch: int = 0, packing: Packing = BF16) -> 
     contractions: attention)."""
     lanes, pair, decode = packing.lanes, packing.pair, packing.decode
     lead = lead_dims(lead)
-    a = te.placeholder(lead + int64_dims((k,)), packing.dtype, name="a")
+    padded = packing.converts and not isinstance(lead[-1], tirx.IntImm)
+    # converted symbolic rows come padded (to_bf16_func): read in place, whole tiles of BF16_ROW_PAD
+    a_lead = lead[:-1] + (tirx.Var("rows_padded", "int64"),) if padded else lead
+    a = te.placeholder(a_lead + int64_dims((k,)), packing.dtype, name="a")
     w = te.placeholder(lead[:batch] + int64_dims(packed_shape(k, n, packing)), packing.dtype, name="w")
     r = te.reduce_axis((tirx.IntImm("int64", 0), tirx.IntImm("int64", k)), name="k")
 
     def element(*idx):
         *lead_idx, col = idx
-        return te.sum(decode(a(*clamped_rows(lead_idx, lead), r)) *
+        rows = list(lead_idx) if padded else clamped_rows(lead_idx, lead)
+        return te.sum(decode(a(*rows, r)) *
                       decode(w(*lead_idx[:batch], col // lanes, r // pair, col % lanes, r % pair)), axis=r)
 
-    out = row_tiles(lead, n, element, packing.block)
+    out = row_tiles(lead, n, element, packing.block, pad=BF16_ROW_PAD if padded else ROW_PAD)
     # A contraction with element-wise epilogues: FuseOps may fuse bias / GELU / residual after it.
     return private_func(te.create_prim_func([a, w, out])).with_attr("op_pattern", 4)
 
@@ -141,12 +163,13 @@ def clamped_rows(lead_idx, lead) -> list:
     return list(lead_idx) if isinstance(rows, tirx.IntImm) else list(lead_idx[:-1]) + [tirx.min(lead_idx[-1], rows - 1)]
 
 
-def row_tiles(lead, n: int, element, name: str, rows_name: str | None = None, finish=lambda tiles, idx: tiles(*idx)):
+def row_tiles(lead, n: int, element, name: str, rows_name: str | None = None, finish=lambda tiles, idx: tiles(*idx),
+              pad: int = ROW_PAD):
     """C[lead..., N] = ``element(*idx)`` (a contraction reading its rows through clamped_rows), block ``name``;
     ``finish(tiles, idx)`` computes each output from the contraction (the copy out, or an epilogue of the kernel's
     own) in block ``rows_name`` (default: none for static rows, ``name`` + "_rows" for symbolic rows).
 
-    Symbolic rows (one module for every seq): the contraction runs over whole tiles of ROW_PAD rows, the rows
+    Symbolic rows (one module for every seq): the contraction runs over whole tiles of ``pad`` rows, the rows
     past the end re-reading the last one, into a buffer the schedule keeps in registers; only the copy out is
     guarded. A predicated tile instead made the accumulators a heap buffer of symbolic size (3x slower,
     BERT-base FFN)."""
@@ -155,8 +178,7 @@ def row_tiles(lead, n: int, element, name: str, rows_name: str | None = None, fi
         tiles = te.compute(lead + int64_dims((n,)), element, name=name)
         return tiles if rows_name is None else te.compute(tiles.shape, lambda *idx: finish(tiles, idx),
                                                           name=rows_name)
-    padded = (rows + ROW_PAD - 1) // ROW_PAD * ROW_PAD
-    tiles = te.compute(lead[:-1] + (padded,) + int64_dims((n,)), element, name=name)
+    tiles = te.compute(lead[:-1] + (padded_rows(rows, pad),) + int64_dims((n,)), element, name=name)
     return te.compute(lead + int64_dims((n,)), lambda *idx: finish(tiles, idx), name=rows_name or name + "_rows")
 
 

@@ -32,8 +32,8 @@ from tvm import relax, tirx
 from tvmdm.core.errors import ShapeError
 from tvmdm.core.precision import check_precision
 from tvmdm.transform.ir import bindings_of, call_op, function_pass, rewritten, static_shape
-from tvmdm.transform.kernels import (BF16, LANES, PAIR, Packing, fp32_packing, gemm_func, pack_weight_func, packed_shape,
-                                     to_bf16_func, transposed_rows_func)
+from tvmdm.transform.kernels import (BF16, BF16_ROW_PAD, LANES, PAIR, Packing, fp32_packing, gemm_func,
+                                     pack_weight_func, packed_shape, padded_rows, to_bf16_func, transposed_rows_func)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,20 +94,6 @@ def _weight_operand(value, weights: set, bindings: dict, seen: dict):
     return _matrix_operand(value, bindings, lambda tensor: _weight_only(tensor, weights, bindings, seen))
 
 
-def check_static_shapes(mod: tvm.IRModule) -> None:
-    """ShapeError naming the first weight contraction whose activations have symbolic dims: the bf16 kernels are
-    made for one shape (their tiles must divide it)."""
-    func = mod["main"]
-    weights, bindings, seen = _weights(func), bindings_of(func), {}
-    for var, value in bindings.items():
-        if call_op(value) == "relax.matmul" and _weight_operand(value.args[1], weights, bindings, seen) and \
-                static_shape(value.args[0]) is None:
-            x = value.args[0]
-            raise ShapeError(f"precision='bf16' needs static shapes, but a weight contraction reads {x.name} of "
-                             f"shape {list(x.ty.shape.values)}: bind the inputs' shapes with shapes= "
-                             "(CLI: --shape NAME=D0xD1)")
-
-
 def _batched(x, w):
     """The plan of a batched contraction of activations with equal batch dims (the attention's scores and
     context: [B, h, S, d] x [B, h, d, S]), its right operand packed per call; None for any other."""
@@ -143,7 +129,7 @@ def _plan(func: relax.Function, weights: set | None, packing: Packing = BF16) ->
             continue
         x_shape, w_shape = _rows_by_k(x, packing), static_shape(operand[0])
         if x_shape is None or w_shape is None:
-            continue  # bf16 with symbolic rows: check_static_shapes refuses such models before the passes run
+            continue
         n, k = (w_shape if operand[1] else w_shape[::-1])
         if not packing.fits(k, n):
             continue  # stays as it is: the packed layout needs whole panels (bf16: N % 16 == 0 and K even)
@@ -153,11 +139,17 @@ def _plan(func: relax.Function, weights: set | None, packing: Packing = BF16) ->
 
 def _rows_by_k(x, packing: Packing):
     """x's dims when its last (K) is concrete: the leading ones may be symbolic (a module serving every batch and
-    seq) where the activations are read as they are (fp32 packing); the bf16 conversion needs them concrete."""
-    if not packing.converts:
-        dims = list(x.ty.shape.values)
-        return dims if isinstance(dims[-1], tirx.IntImm) else None
-    return static_shape(x)
+    seq; a converted operand then holds its rows padded, converted_shape)."""
+    dims = list(x.ty.shape.values)
+    return dims if isinstance(dims[-1], tirx.IntImm) else None
+
+
+def converted_shape(shape: list) -> list:
+    """The shape of x's bf16 bits (to_bf16_func): symbolic rows padded to whole tiles of BF16_ROW_PAD."""
+    *lead, k = shape
+    if all(isinstance(d, (int, tirx.IntImm)) for d in lead):
+        return list(shape)
+    return [*lead[:-1], padded_rows(lead[-1], BF16_ROW_PAD), k]
 
 
 def _weight_gradient(x, w, bindings: dict, packing: Packing = BF16):
@@ -214,7 +206,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Pac
             if not packing.converts and key == "to_bf16":  # fp32 activations are read as they are
                 return self.visit_expr(x)
             if (x, key) not in self.converted:
-                gv = self.builder_.add_func(make(static_shape(x)), key)
+                gv = self.builder_.add_func(make(static_shape(x) or list(x.ty.shape.values)), key)
                 self.converted[(x, key)] = self.builder_.emit(relax.call_tir(
                     gv, [self.visit_expr(x)], relax.TensorType(shape, packing.dtype)))
             return self.converted[(x, key)]
@@ -237,7 +229,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str, training: bool, packing: Pac
             t = target
             if isinstance(t, Gemm):
                 packed = self._pack(self.visit_expr(t.w), t.k, t.n, t.transposed, t.x_shape[:t.batch])
-                a_bits = self._convert(t.x, to_bf16_func, t.x_shape, "to_bf16")
+                a_bits = self._convert(t.x, to_bf16_func, converted_shape(t.x_shape), "to_bf16")
                 out = self._gemm(a_bits, packed, t.x_shape[:-1], t.k, t.n, t.batch)
             else:  # dW = X^T dY over every row
                 packed = self._pack(self.visit_expr(t.dy), t.rows, t.n, False)
