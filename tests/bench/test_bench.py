@@ -52,6 +52,18 @@ def test_bench_onnx_file_skips_pytorch_with_reason(tmp_path, tiny_layer):
     assert "ONNX file carries no PyTorch program" in result["skipped"]["torch-eager"]
 
 
+def test_bench_symbolic_times_one_module_for_every_size_at_the_given_size(tmp_path):
+    lines = []
+    result = run_bench("bert-tiny-layer", batch=2, seq=8, min_runs=2, max_seconds=1, kernels=False, torch=False,
+                       ort_optimized=False, precisions=("fp32", "bf16"), symbolic=True, json_path=str(tmp_path / "b.json"),
+                       out=lines.append)
+    assert result["symbolic"] and any("(tvmdm: one symbolic module)" in line for line in lines)
+    assert [t["system"] for t in result["timings"]] == ["onnxruntime", "tvmdm", "tvmdm[bf16]"]
+    # both tvmdm systems were checked against onnxruntime at (2, 8) (the bench refuses disagreement)
+    assert set(result["max_abs_err_vs_onnxruntime"]) >= {"tvmdm", "tvmdm[bf16]"}
+    assert json.load(open(tmp_path / "b.json"))["symbolic"] is True
+
+
 def test_matmul_flops_closed_form(tiny_layer):
     b, s, h, ffn = 2, 8, 32, 64
     expected = 4 * 2 * b * s * h * h + 2 * 2 * b * s * h * ffn + 2 * 2 * b * s * s * h

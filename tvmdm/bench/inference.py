@@ -195,9 +195,10 @@ def reduced_precision_bounds(names) -> dict:
 def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fusion_levels=(DEFAULT_FUSION,),
                     precisions=("fp32",), untuned: bool = False, ort_optimized: bool = True, torch: bool = True,
                     torch_compile: bool = True, min_runs: int = 5, max_seconds: float = 30.0,
-                    tuning_logs="shipped", kernels: bool = False, out=print) -> dict:
+                    tuning_logs="shipped", kernels: bool = False, symbolic: bool = False, out=print) -> dict:
     """Build every system for one (batch, seq), check them against onnxruntime, time them. Returns a dict with
-    timings, agreement, skipped systems and the tvmdm Compiled objects."""
+    timings, agreement, skipped systems and the tvmdm Compiled objects. ``symbolic``: tvmdm's modules are
+    compiled with every input dim left symbolic (one module for every size) and run at ``shapes``."""
     import tvmdm
     from tvmdm.build.check import ort_session
     from tvmdm.core.target import num_cores
@@ -205,9 +206,10 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
     threads = num_cores()
     gpu = target.startswith("cuda")
     int8 = quantize_dynamic(proto) if "int8" in precisions else None
-    compiled = _tvmdm_systems(proto, shapes, target, list(fusion_levels), untuned, tuning_logs, precisions, int8)
+    compiled = _tvmdm_systems(proto, {} if symbolic else shapes, target, list(fusion_levels), untuned, tuning_logs,
+                              precisions, int8)
     first = next(iter(compiled.values()))
-    measured = measure_kernels(first) if kernels and target == "llvm" else None
+    measured = measure_kernels(first) if kernels and target == "llvm" and not symbolic else None
     feeds = tvmdm.random_inputs(first, batch=1, seq=1, dims=_dims(first, shapes))
     with tempfile.TemporaryDirectory(prefix="tvmdm-bench-") as tmp:
         # each system checked and timed in a process of its own (tvmdm.bench.isolated)
@@ -276,8 +278,9 @@ def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, t
               min_runs: int = 5, max_seconds: float = 30.0, untuned: bool = False, fusion_levels=(DEFAULT_FUSION,),
               precisions=("fp32",), ort_optimized: bool = True, torch: bool = True, torch_compile: bool = True, kernels: bool = True,
               scan: dict | None = None, json_path: str | None = None, plot_path: str | None = None,
-              tuning_logs="shipped", out=print) -> dict:
-    """The ``tvmdm bench`` command. ``scan``: {"seq": [...], "batch": [...]} sizes to sweep (None: no sweep)."""
+              tuning_logs="shipped", symbolic: bool = False, out=print) -> dict:
+    """The ``tvmdm bench`` command. ``scan``: {"seq": [...], "batch": [...]} sizes to sweep (None: no sweep).
+    ``symbolic``: tvmdm compiled for every size, timed at (batch, seq) (the others see those sizes alone)."""
     from tvmdm.build.shapes import resolve_shapes
     from tvmdm.bench.machine import machine_info
 
@@ -286,10 +289,12 @@ def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, t
     if not shapes:
         raise TvmdmError(f"bench needs concrete sizes for {model}: give --batch and --seq")
     options = dict(target=target, fusion_levels=fusion_levels, precisions=precisions, ort_optimized=ort_optimized, torch=torch,
-                   torch_compile=torch_compile, min_runs=min_runs, max_seconds=max_seconds, tuning_logs=tuning_logs)
+                   torch_compile=torch_compile, min_runs=min_runs, max_seconds=max_seconds, tuning_logs=tuning_logs,
+                   symbolic=symbolic)
     main = compare_systems(model, proto, shapes, untuned=untuned, kernels=kernels, out=out, **options)
     first = next(iter(main["compiled"].values()))
-    out(f"{model}: shapes {shapes}, target {target}, {main['threads']} threads, "
+    out(f"{model}: shapes {shapes}{' (tvmdm: one symbolic module)' if symbolic else ''}, target {target}, "
+        f"{main['threads']} threads, "
         f"{len(first.tuned_kernels)}/{len(first.kernels)} kernels tuned, "
         f"{(main['flops'] or 0) / 1e9:.2f} GFLOP of matmuls")
     for line in format_table(main["timings"]):
@@ -297,7 +302,8 @@ def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, t
     for name, why in main["skipped"].items():
         out(f"  (skipped {name}: {why})")
     result = {
-        "schema": "tvmdm-bench/1", "model": model, "shapes": shapes, "target": target, "threads": main["threads"],
+        "schema": "tvmdm-bench/1", "model": model, "shapes": shapes, "symbolic": symbolic, "target": target,
+        "threads": main["threads"],
         "machine": machine_info(main["threads"]), "matmul_flops": main["flops"],
         "tuned_kernels": first.tuned_kernels, "kernels_total": len(first.kernels),
         "timings": [dataclasses.asdict(t) for t in main["timings"]],

@@ -196,7 +196,7 @@ def cmd_bench(args) -> int:
               max_seconds=args.max_seconds, untuned=args.untuned, fusion_levels=args.fusion.split(","),
               precisions=args.precision.split(","), ort_optimized=not args.no_ort_opt, torch=not args.no_torch, torch_compile=not args.no_torch_compile,
               kernels=not args.no_kernels, scan=scan, json_path=args.json, plot_path=args.plot,
-              tuning_logs=_logs(args))
+              tuning_logs=_logs(args), symbolic=args.symbolic)
     return 0
 
 
@@ -268,7 +268,7 @@ def _add_compile_options(p: argparse.ArgumentParser, default_size: str) -> None:
                    help=f"fusion level (default: {DEFAULT_FUSION})")
     p.add_argument("--layout", default=DEFAULT_LAYOUT, help="attention layout under --fusion paper (default: bshd)")
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
-                   help="bf16: weight contractions in bf16 with fp32 accumulation (needs static shapes)")
+                   help="bf16: weight contractions in bf16 with fp32 accumulation (AMX tiles where the CPU has them)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -299,7 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="tvmdm vs onnxruntime (plain, BERT-optimized) and PyTorch, same threads")
     p.add_argument("model", nargs="?", default="bert-base-layer", help="ONNX file or embedded model name")
-    _add_batch_seq(p, "the embedded model's; a file's dims stay symbolic")
+    _add_batch_seq(p, "the embedded model's")
+    p.add_argument("--symbolic", action="store_true", help="compile tvmdm with symbolic batch and seq (one "
+                   "module for every size) and time it at --batch x --seq")
     p.add_argument("--target", default="llvm", help="llvm, or cuda on a machine with a GPU")
     _add_logs(p)
     p.add_argument("--fusion", default=DEFAULT_FUSION, help="comma-separated fusion levels to time (first is 'tvmdm')")
