@@ -21,11 +21,11 @@ from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.script import tirx as T
 
 from schedules.rule import FLOPS_ATTR, ScheduleRule
-from schedules.packed import epilogue_into_tile, has_block, schedule_tiled_transpose
+from schedules.packed import epilogue_into_tile, has_block, schedule_pair_pack, schedule_tiled_transpose
 from schedules.default import inline_elementwise
 from schedules.dpbf16ps import DPBF16PS_FUNCTION, DPBF16PS_LLVM
 from tvmdm.core.target import cpu_has
-from tvmdm.transform.kernels import GEMM_BLOCK, LANES, PAIR, TRANSPOSED_BLOCK, bf16_value
+from tvmdm.transform.kernels import BF16, GEMM_BLOCK, LANES, PAIR, TRANSPOSED_BLOCK, bf16_value
 
 INTRIN = "tvmdm_dot_16x2_bf16"
 CPU_FEATURE = "avx512bf16"  # LLVM's name; /proc/cpuinfo says avx512_bf16
@@ -138,8 +138,9 @@ def schedule_transposed_conversion(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 class Bf16Contractions(ScheduleRule):
-    """precision="bf16" on a CPU: every kernel with a bf16 contraction block on the vdpbf16ps micro-kernel, and
-    the transposing conversions of weight gradients in tiles. On a CPU without AVX512-BF16 nothing is taken:
+    """precision="bf16" on a CPU: every kernel with a bf16 contraction block on the vdpbf16ps micro-kernel, the
+    transposing conversions of weight gradients in tiles, and the packings of weights and dY. On a CPU without
+    AVX512-BF16 nothing is taken:
     the default schedule computes the same numbers in fp32 FMAs (bf16 values are exact in fp32), slower (one
     warning says so)."""
 
@@ -158,6 +159,8 @@ class Bf16Contractions(ScheduleRule):
     def schedule(self, func, options):
         if has_block(func, TRANSPOSED_BLOCK):
             return schedule_transposed_conversion(func)
+        if has_block(func, BF16.pack_name):
+            return schedule_pair_pack(func, BF16.pack_name)
         if not has_block(func, GEMM_BLOCK):
             return None
         flops = int(estimate_tir_flops(tvm.IRModule({"main": func})))

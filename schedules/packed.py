@@ -118,6 +118,41 @@ def schedule_weight_pack(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
+PAIR_ROWS = 8  # k pairs per step of the bf16 packing
+
+
+def schedule_pair_pack(func: tirx.PrimFunc, block_name: str) -> tirx.PrimFunc:
+    """The bf16 packing [N/16, K/2, 16, 2] of a weight or of dY (a training step packs them every step). A
+    plain source (read along N): in parallel over steps of PAIR_ROWS k pairs, each step copying its source
+    rows into every panel (the rows are read once, contiguously; a panel a task read a 64-byte piece of each
+    row, a page apart). A transposed one: in parallel over panels, each step 16 source rows of 2 x PAIR_ROWS
+    values. [3072, 768] weight from DRAM (2 Sapphire Rapids cores): plain 0.78 ms against 1.22 with a tuned
+    record, transposed 0.71 against 0.87; [768, 768] 0.32 against 0.40."""
+    sch = Schedule(func)
+    block = sch.get_sblock(block_name)
+    sources = 1
+    for producer in sch.get_producers(block):  # a reshape (dY) or the merged QKV's concatenation in front
+        if sch.get(producer).name_hint.startswith("T_concat"):
+            sources = len(sch.get(producer).reads)
+        sch.compute_inline(producer)
+    *lead, no, ko, ni, pair = sch.get_loops(block)
+    step = next(f for f in (PAIR_ROWS, 4, 2, 1) if int(sch.get(ko).extent) % f == 0)
+    ko, ki = sch.split(ko, [None, step])
+    if _reads_along(sch.get(block), sch.get(block).iter_vars[-2].var):
+        panels = [no]
+        if sources > 1 and int(sch.get(no).extent) % sources == 0:  # each source's condition constant
+            source, no = sch.split(no, [sources, None])
+            sch.unroll(source)
+            panels = [source, no]
+        sch.reorder(*lead, ko, *panels, ki, ni, pair)
+        sch.parallel(sch.fuse(*lead, ko) if lead else ko)
+    else:
+        sch.reorder(*lead, no, ko, ni, ki, pair)
+        sch.parallel(sch.fuse(*lead, no) if lead else no)
+        sch.unroll(ki)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
 def schedule_tiled_transpose(func: tirx.PrimFunc, block_name: str, tile: int = TILE) -> tirx.PrimFunc:
     """X^T for a weight gradient (X [B*S, K], element-wise producers such as a reshape inlined; bf16's
     transposing conversion too): square tiles in parallel, each within L1."""
