@@ -18,14 +18,15 @@ from schedules.pipeline import scheduled_by
 from tests.helpers.cpu_kinds import BY_NAME, asm_of
 from tvmdm.core.errors import TvmdmError
 from tvmdm.core.precision import BF16_MAX_REL_ERR
-from tvmdm.core.target import make_target
+from tvmdm.core.target import attention_on_matrix_units, make_target
 from tvmdm.models import BertConfig, build_encoder_layer
 from tvmdm.runtime import amx as amx_runtime
 from tvmdm.transform.kernels import BF16_ROW_PAD, gemm_func
 
-# hidden and FFN whole 32-column blocks; 16 rows per sequence (one activation tile a block), 32 rows in all
-LAYER = BertConfig(hidden=96, heads=2, ffn=192, batch=2, seq=16)
-SHAPES = {"hidden_states": [2, 16, 96], "attention_mask": [2, 16]}
+# hidden and FFN whole 32-column blocks, 64 rows in all; heads of 32 and 32 keys: the attention's contractions
+# fill whole tiles too
+LAYER = BertConfig(hidden=96, heads=3, ffn=192, batch=2, seq=32)
+SHAPES = {"hidden_states": [2, 32, 96], "attention_mask": [2, 32]}
 SPR = BY_NAME["sapphirerapids"]
 TILE_OPS = ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease")
 
@@ -101,19 +102,22 @@ def test_shapes_off_the_tiles_are_left_to_the_next_rule():
 def test_sapphire_rapids_code_runs_the_contractions_on_tiles():
     compiled = _layer_bf16(SPR.target())
     on_tiles = scheduled_by(compiled.mod, amx.AmxContractions())
-    assert len(on_tiles) == 4, compiled.kernels  # merged QKV, output, FFN up (+ GELU), FFN down
+    # merged QKV, the attention's scores and context, output, FFN up (+ GELU), FFN down: the paper level keeps
+    # the attention as batched matmuls where they run on tiles
+    assert len(on_tiles) == 6, compiled.kernels
     assert compiled.uses_amx
     asm = asm_of(compiled)
     counts = {op: asm.count(op) for op in TILE_OPS}
-    assert counts["ldtilecfg"] == counts["tilerelease"] == 4 and counts["tdpbf16ps"] > 0, counts
+    assert counts["ldtilecfg"] == counts["tilerelease"] == 6 and counts["tdpbf16ps"] > 0, counts
     assert "vdpbf16ps" not in asm  # every bf16 contraction of this layer fills whole tiles
     for name in on_tiles:
         script = compiled.mod[name].script()
         # the configuration is loaded inside the parallel body: each thread's tile state is its own
         parallel = script.index("T.parallel(")
         assert parallel < script.index("llvm.x86.ldtilecfg") < script.index("llvm.x86.tdpbf16ps"), name
-        # the weight operand is read as packed at load: [N/16, K/2, 16, 2] bf16 bits, B tiles 64 bytes a row
-        assert re.search(r"\w+: T\.Buffer\(\(T\.int64\(\d+\), T\.int64\(\d+\), T\.int64\(16\), T\.int64\(2\)\), "
+        # the right operand is read packed: [..., N/16, K/2, 16, 2] bf16 bits (a weight's at load, K's and V's
+        # per (batch, head) in the attention), B tiles 64 bytes a row
+        assert re.search(r"\w+: T\.Buffer\(\((T\.int64\(\d+\), )+T\.int64\(16\), T\.int64\(2\)\), "
                          r"\"uint16\"\)", script), name
         assert "T.int64(64))" in script  # the B tiles' stride
 
@@ -157,27 +161,36 @@ def test_other_kinds_warn_and_keep_their_bf16_path():
 
 @pytest.mark.parametrize("fusion", ["paper", "tvm"])
 def test_emulated_layer_matches_onnxruntime(emulated, fusion):
-    compiled = _layer_bf16(make_target("llvm"), fusion=fusion, tuning_logs=None)
-    assert len(scheduled_by(compiled.mod, amx.AmxContractions())) == 4
+    host = make_target("llvm")
+    compiled = _layer_bf16(host, fusion=fusion, tuning_logs=None)
+    # the paper level keeps the attention's einsums (fp32) on a host without AMX (the tiles emulated here)
+    batched = fusion == "tvm" or attention_on_matrix_units(host, "bf16")
+    assert len(scheduled_by(compiled.mod, amx.AmxContractions())) == (6 if batched else 4)
     assert not compiled.uses_amx  # emulated: no tile instruction, nothing to ask Linux for
-    inputs = tvmdm.random_inputs(compiled, batch=2, seq=16)
+    inputs = tvmdm.random_inputs(compiled, batch=2, seq=32)
     inputs["attention_mask"][1, 11:] = 0
     got, ref = compiled.run(inputs), compiled.reference(inputs)
     err = max(float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(got, ref))
     assert 0 < err <= BF16_MAX_REL_ERR
 
 
+def _host_without_amx() -> tvm.target.Target:
+    spec = dict(make_target("llvm").export())
+    spec["mattr"] = [f for f in spec.get("mattr", []) if not f.startswith("+amx")]
+    return tvm.target.Target(spec)
+
+
 def test_emulated_training_step_matches_the_step_without_tiles(monkeypatch):
     def step():
-        return tvmdm.compile_train_step(build_encoder_layer(LAYER), loss="mse", batch=2, seq=16,
-                                        tuning_logs=None, precision="bf16", fusion="tvm")
+        return tvmdm.compile_train_step(build_encoder_layer(LAYER), loss="mse", batch=2, seq=32, tuning_logs=None,
+                                        precision="bf16", fusion="tvm", target=_host_without_amx())
 
-    plain = step()
+    plain = step()  # (the tile units' own rounding differs a little from the emulation's fp32 sums)
     monkeypatch.setattr(amx, "EMULATE", True)
     tiles = step()
     # forward, input gradients and the weight gradients X^T dY (K rows of the 32 token rows) on tiles
     assert len(scheduled_by(tiles.mod, amx.AmxContractions())) >= 10, tiles.kernels
-    feeds = tvmdm.random_inputs(plain, batch=2, seq=16)
+    feeds = tvmdm.random_inputs(plain, batch=2, seq=32)
     batch = dict(feeds, labels=np.random.default_rng(1).standard_normal(plain.target_spec.shape).astype(np.float32))
     (loss, grads), (loss_tiles, grads_tiles) = plain.gradients(batch), tiles.gradients(batch)
     assert loss_tiles == pytest.approx(loss, rel=1e-5)

@@ -56,6 +56,8 @@ class Options:
     tuning_logs: the log directories whose records the schedule stage applies, in order.
     packed_lanes: the fp32 contractions run on weights packed in panels this wide (schedules.packed), because
     no log tuned on this CPU model serves them; None: records or the default schedules take them.
+    batched_attention: the paper level keeps the attention's contractions batched matmuls, for matrix units
+    (tvmdm.core.target.attention_on_matrix_units; on CPUs for static shapes, which the tiles need).
     """
 
     target: object
@@ -65,6 +67,7 @@ class Options:
     training: bool = False
     tuning_logs: tuple = ()
     packed_lanes: int | None = None
+    batched_attention: bool = False
 
     def __post_init__(self):
         check_fusion(self.fusion)

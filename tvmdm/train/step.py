@@ -64,10 +64,11 @@ def _split_trainable(imported) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
 def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = None, shapes: dict | None = None,
                    batch: int | None = None, seq: int | None = None, checkpoint=False, dropout: float = 0.0,
                    fusion: str = DEFAULT_FUSION, layout: str = DEFAULT_LAYOUT, loss_scaling: bool = False,
-                   target_kind: str = "llvm"):
+                   batched_attention: bool = False):
     """The training stages before fusion: import with static shapes, split trainable weights, build the
     training module (train_graph). With fusion="paper" the paper's graph rewrites (merged QKV, transposes
-    folded into the attention contractions) come before Gradient, so the backward pass has them too.
+    folded into the attention contractions; ``batched_attention``: the attention kept as batched matmuls, for
+    matrix units) come before Gradient, so the backward pass has them too.
     Returns (imported model, IRModule, trainable weights by name, dropout sites)."""
     from onnx_import import import_onnx
     from onnx_import.importer import onnx_input_specs
@@ -102,7 +103,7 @@ def training_graph(model, *, loss="cross_entropy", optimizer: AdamW | None = Non
         log.info("%s: initializer %r is the transpose of %r (an exporter's copy of a tied weight): trained as one "
                  "tensor", source, copy, weight)
     if fusion == "paper":
-        mod = paper_graph_rewrites(layout, target_kind)(mod)
+        mod = paper_graph_rewrites(layout, batched_attention)(mod)
     try:
         mod, sites = train_graph.training_module(mod, len(imported.inputs), loss, optimizer or AdamW(), checkpoint,
                                                  dropout=bool(dropout), loss_scaling=loss_scaling)
@@ -150,13 +151,13 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     check_precision(precision, tvm_target.kind.name)
     scaler = _loss_scaler(loss_scale, precision)
     t0 = time.perf_counter()
+    options = make_options(tvm_target, fusion=fusion, layout=layout, precision=precision, tuning_logs=tuning_logs,
+                           training=True)
     imported, mod, trainable, sites = training_graph(model, loss=loss, optimizer=optimizer, shapes=shapes,
                                                      batch=batch, seq=seq, checkpoint=checkpoint, dropout=dropout,
                                                      fusion=fusion, layout=layout, loss_scaling=scaler is not None,
-                                                     target_kind=tvm_target.kind.name)
+                                                     batched_attention=options.batched_attention)
     graph_seconds = time.perf_counter() - t0
-    options = make_options(tvm_target, fusion=fusion, layout=layout, precision=precision, tuning_logs=tuning_logs,
-                           training=True)
     built = build(mod, options, training_fusion(options))
     timings = {"graph": graph_seconds, **built.timings}
     mod, tuned, hand = built.mod, built.tuned_kernels, built.hand_kernels

@@ -77,12 +77,12 @@ def _sm_pattern(operand):
     return is_op("relax.where")(is_op("relax.isnan")(probs), is_const(), probs) | probs
 
 
-def paper_patterns(extra=(), target_kind: str = "llvm") -> list[tuple]:
+def paper_patterns(extra=(), batched_attention: bool = False) -> list[tuple]:
     """(name, dataflow pattern, annotations, check) of the kernels the paper fuses beyond stock FuseOps,
     most specific first; ``extra``: (kernel name, pattern) pairs matched after them (a training step's
-    backward kernels). On CUDA the attention's contractions stay kernels of their own, on tensor cores
-    (schedules.tensor_cores takes one contraction per kernel): the scores' scale and mask fuse into the
-    scores kernel's epilogue and the softmax is a row kernel (schedules.gpu_rows); only BDRLN is fused."""
+    backward kernels). ``batched_attention`` (on matrix units: CUDA's tensor cores, AMX): the attention's
+    contractions stay kernels of their own (one contraction a kernel): the scores' scale and mask fuse into
+    the scores kernel's epilogue and the softmax is a row kernel; only BDRLN is fused."""
     context = is_op("relax.einsum")(is_tuple([wildcard(), _attention_operand()]))
     # BDRLN as substation has it: the contraction stays a kernel of its own (MetaSchedule 0.27 cannot tile a
     # contraction whose epilogue is a LayerNorm: its design space raises in reverse_compute_at).
@@ -94,7 +94,7 @@ def paper_patterns(extra=(), target_kind: str = "llvm") -> list[tuple]:
     # slices must stay their own values and only the contraction onwards fuses.
     forward = [(sm, _sm_pattern(_attention_operand)), (attention_context, context), (bdrln_name, bdrln),
                (sm, _sm_pattern(wildcard))]
-    if target_kind == "cuda":
+    if batched_attention:
         forward = [(bdrln_name, bdrln)]
     extra = [(f"tvmdm.{name}", pattern) for name, pattern in extra]
     return [(name, pattern, {}, _intermediates_stay_inside) for name, pattern in forward + extra]

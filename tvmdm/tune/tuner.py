@@ -50,7 +50,8 @@ def extract_tasks(model, target, shapes=None, fusion=DEFAULT_FUSION, train: bool
                            training=train)
     tvm_target = options.target
     if train:
-        imported, mod, _, _ = training_graph(model, loss="mse", shapes=shapes, fusion=fusion, layout=layout)
+        imported, mod, _, _ = training_graph(model, loss="mse", shapes=shapes, fusion=fusion, layout=layout,
+                                             batched_attention=options.batched_attention)
     else:
         imported = import_onnx(model, shapes=shapes)
         mod = imported.mod
