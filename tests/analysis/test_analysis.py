@@ -125,3 +125,27 @@ def test_graph_without_kernels(tmp_path):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(tvmdm.TvmdmError, match="runs no kernel"):
         tvmdm.analyze(model)
+
+
+def test_kernels_timed_in_place_are_the_module_calls_and_the_step_still_trains(tiny_layer):
+    import time
+
+    import numpy as np
+
+    from tvmdm.analysis.profile import call_sites, profile_in_place
+
+    compiled = tvmdm.compile(tiny_layer, shapes={"hidden_states": [2, 8, 32], "attention_mask": [2, 8]})
+    feeds = tvmdm.random_inputs(compiled, batch=2, seq=8)
+    t0 = time.perf_counter()
+    rows = profile_in_place(compiled, lambda: compiled.run(feeds), repeat=3)
+    wall = time.perf_counter() - t0
+    assert {r.name: r.calls for r in rows} == call_sites(compiled.mod)
+    assert all(r.seconds > 0 for r in rows)
+    assert sum(r.seconds * r.calls for r in rows) * 3 < wall  # the calls of 3 timed runs, inside them
+    assert [r.seconds * r.calls for r in rows] == sorted((r.seconds * r.calls for r in rows), reverse=True)
+    np.testing.assert_array_equal(compiled.run(feeds)[0], compiled.run(feeds)[0])  # the hook is gone again
+    step = tvmdm.compile_train_step(tiny_layer, loss="mse", batch=2, seq=8)
+    batch = dict(feeds, labels=np.zeros(step.target_spec.shape, np.float32))
+    before = step.step_count
+    rows = profile_in_place(step, lambda: step.step(batch), repeat=2)
+    assert step.step_count == before + 3 and any(r.name.startswith("adamw") for r in rows)
