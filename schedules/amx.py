@@ -215,7 +215,7 @@ def _unit_rows(sch, m, n_extent: int, k_extent: int, k_step: int) -> tuple[int, 
     if not isinstance(extent, tirx.IntImm):
         analyzer = tvm.sym.Analyzer()
         fits = n_extent % BLOCK == 0 and k_extent % k_step == 0 and analyzer.can_prove(
-            tvm.tirx.floormod(extent, BLOCK) == 0)
+            tirx.floormod(extent, BLOCK) == 0)
         return (BLOCK, 1) if fits else None
     rows = tile_block_rows(int(extent), n_extent, k_extent, k_step)
     if rows is None:

@@ -150,9 +150,9 @@ def compile_train_step(model, *, loss="cross_entropy", optimizer: AdamW | None =
     tvm_target = make_target(target)
     check_precision(precision, tvm_target.kind.name)
     scaler = _loss_scaler(loss_scale, precision)
-    t0 = time.perf_counter()
     options = make_options(tvm_target, fusion=fusion, layout=layout, precision=precision, tuning_logs=tuning_logs,
                            training=True)
+    t0 = time.perf_counter()
     imported, mod, trainable, sites = training_graph(model, loss=loss, optimizer=optimizer, shapes=shapes,
                                                      batch=batch, seq=seq, checkpoint=checkpoint, dropout=dropout,
                                                      fusion=fusion, layout=layout, loss_scaling=scaler is not None,

@@ -100,7 +100,6 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     merged QKV), weight-only work lifted to main_transform_params (inference only: a training step changes its
     weights every step), then the paper's pattern fusion."""
     paper = options.fusion == "paper"
-    batched_attention = options.batched_attention
     # inference: gathers clipped into their tables and checked in the module (a training graph clips its indices
     # before its gradient: tvmdm.train.step)
     passes = [guard_gathers()] if not options.training else []
@@ -108,7 +107,7 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     # other models)
     passes += [int8_contractions(widened=not has_int8_dot(options.target))] if options.on_cpu else []
     passes.append(rows_then_whole())
-    passes += [paper_graph_rewrites(options.layout, batched_attention)] if paper else []
+    passes += [paper_graph_rewrites(options.layout, options.batched_attention)] if paper else []
     passes += list(training.before_precision)
     passes += precision_passes(options.precision, training=options.training, target_kind=options.target_kind,
                                packed_lanes=options.packed_lanes)
@@ -116,7 +115,7 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     if not options.training and (paper or options.precision != "fp32" or options.packed_lanes):
         passes.append(relax.transform.LiftTransformParams())
     if paper:
-        passes += [relax.transform.FuseOpsByPattern(paper_patterns(training.patterns, batched_attention),
+        passes += [relax.transform.FuseOpsByPattern(paper_patterns(training.patterns, options.batched_attention),
                                                     bind_constants=False,
                                                     annotate_codegen=False),
                    name_paper_kernels(), record_read_fractions(record.read_fractions)]

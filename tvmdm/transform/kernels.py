@@ -92,16 +92,20 @@ def to_bf16_func(shape) -> tirx.PrimFunc:
     tiles of BF16_ROW_PAD (padded_rows), the rows past the end copies of the last one, so that a contraction
     reads whole tiles of it in place (gemm_func)."""
     *lead, k = shape
-    if all(isinstance(d, (int, tirx.IntImm)) for d in lead):
-        shape = int64_dims(shape)
-        x = te.placeholder(shape, "float32", name="x")
-        out = te.compute(shape, lambda *i: bf16_bits(x(*i)), name="to_bf16")
-        return private_func(te.create_prim_func([x, out]))
     lead = lead_dims(lead)
     x = te.placeholder(lead + int64_dims((k,)), "float32", name="x")
-    out = te.compute(lead[:-1] + (padded_rows(lead[-1], BF16_ROW_PAD),) + int64_dims((k,)),
+    out = te.compute(converted_shape(lead + int64_dims((k,))),
                      lambda *i: bf16_bits(x(*clamped_rows(i[:-1], lead), i[-1])), name="to_bf16")
     return private_func(te.create_prim_func([x, out]))
+
+
+def converted_shape(shape) -> list:
+    """The shape of x's bf16 bits (to_bf16_func) for x of ``shape``: symbolic rows (the last leading dim) padded
+    to whole tiles of BF16_ROW_PAD."""
+    *lead, k = shape
+    if all(isinstance(d, (int, tirx.IntImm)) for d in lead):
+        return list(shape)
+    return [*lead[:-1], padded_rows(lead[-1], BF16_ROW_PAD), k]
 
 
 def padded_rows(rows, pad: int = ROW_PAD):

@@ -29,11 +29,10 @@ import dataclasses
 import tvm
 from tvm import relax, tirx
 
-from tvmdm.core.errors import ShapeError
 from tvmdm.core.precision import check_precision
 from tvmdm.transform.ir import bindings_of, call_op, function_pass, rewritten, static_shape
-from tvmdm.transform.kernels import (BF16, BF16_ROW_PAD, LANES, PAIR, Packing, fp32_packing, gemm_func,
-                                     pack_weight_func, packed_shape, padded_rows, to_bf16_func, transposed_rows_func)
+from tvmdm.transform.kernels import (BF16, LANES, PAIR, Packing, converted_shape, fp32_packing, gemm_func,
+                                     pack_weight_func, packed_shape, to_bf16_func, transposed_rows_func)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +126,7 @@ def _plan(func: relax.Function, weights: set | None, packing: Packing = BF16) ->
         operand = _matrix_operand(w, bindings) if weights is None else _weight_operand(w, weights, bindings, seen)
         if operand is None or x.ty.dtype != "float32" or operand[0].ty.dtype != "float32":
             continue
-        x_shape, w_shape = _rows_by_k(x, packing), static_shape(operand[0])
+        x_shape, w_shape = _rows_by_k(x), static_shape(operand[0])
         if x_shape is None or w_shape is None:
             continue
         n, k = (w_shape if operand[1] else w_shape[::-1])
@@ -137,19 +136,11 @@ def _plan(func: relax.Function, weights: set | None, packing: Packing = BF16) ->
     return targets
 
 
-def _rows_by_k(x, packing: Packing):
+def _rows_by_k(x):
     """x's dims when its last (K) is concrete: the leading ones may be symbolic (a module serving every batch and
     seq; a converted operand then holds its rows padded, converted_shape)."""
     dims = list(x.ty.shape.values)
     return dims if isinstance(dims[-1], tirx.IntImm) else None
-
-
-def converted_shape(shape: list) -> list:
-    """The shape of x's bf16 bits (to_bf16_func): symbolic rows padded to whole tiles of BF16_ROW_PAD."""
-    *lead, k = shape
-    if all(isinstance(d, (int, tirx.IntImm)) for d in lead):
-        return list(shape)
-    return [*lead[:-1], padded_rows(lead[-1], BF16_ROW_PAD), k]
 
 
 def _weight_gradient(x, w, bindings: dict, packing: Packing = BF16):
