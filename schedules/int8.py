@@ -9,10 +9,13 @@ fused bias / GELU / residual epilogues are computed per tile from the accumulato
 The instruction is reached as vdpbf16ps is: an LLVM function linked into the module and inlined (TVM 0.27's
 call_llvm_pure_intrin does not bitcast to the <64 x i8> operands LLVM 22's intrinsic takes).
 
-On a CPU without AVX512-VNNI (Zen 4 with AVX-512 hidden: AVX2 only) the weights are packed as int16 pairs and
-each vpmaddwd adds 2 exact products to each of 8 lanes (vpmaddubsw would take 4 u8 x s8 products but saturates
-their pair sums to int16); one warning says so. 2 Zen 4 cores, base layer's FFN contractions at (8, 128):
-vpdpbusd 680-900 GOP/s, vpmaddwd 210-236, widened int32 multiplies 65.
+On a CPU without AVX512-VNNI (Zen 4 with AVX-512 hidden: AVX2 only) the fast byte product is vpmaddubsw: 32
+u8 x s8 products added in pairs into int16 lanes, which saturate, then a vpmaddwd by ones into 8 int32 lanes
+(onnxruntime's AVX2 kernels, saturation included). Here K's rows come in an order whose pairs cannot saturate
+(tvmdm.transform.saturation_free), so its results are exact; weights with no such order are packed as int16
+pairs for vpmaddwd (2 exact products per lane, int16 activations). One warning says the CPU has no VNNI.
+2 Zen 4 cores, [1024, 768] x [768, 3072]: vpdpbusd 680-900 GOP/s (AVX-512), vpmaddubsw 319, vpmaddwd 201,
+widened int32 multiplies 65.
 """
 from __future__ import annotations
 
@@ -27,11 +30,12 @@ from tvm.script import tirx as T
 from schedules import amx
 from schedules.amx import has_amx_int8
 from schedules.bf16 import register_dot_intrin, schedule_dot_gemm
+from schedules.default import inline_elementwise
 from schedules.dpbf16ps import llvm_dot_function
 from schedules.packed import has_block
 from schedules.rule import DOES_NOT_FIT, FLOPS_ATTR, ScheduleRule
 from tvmdm.core.target import has_int8_dot
-from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, VNNI, WIDE
+from tvmdm.transform.int8_kernels import BYTE_PAIRS, INT8_GEMM_BLOCK, REORDER_BLOCK, VNNI, WIDE
 
 INTRIN = "tvmdm_dot_16x4_u8s8"
 K_BLOCK = 512  # accumulate over this much of K before moving on (as the bf16 kernel's 256: the same bytes)
@@ -52,12 +56,26 @@ register_dot_intrin(INTRIN, "uint8", "int8", "int32", VNNI.lanes, VNNI.group, _w
 WIDE_INTRIN = "tvmdm_dot_8x2_u8s16"
 
 
-register_dot_intrin(WIDE_INTRIN, "uint8", "int16", "int32", WIDE.lanes, WIDE.group, _widened, lambda a, w, c: (
-    c.vload([0], "int32x8") + T.call_llvm_pure_intrin(
-        "int32x8", "llvm.x86.avx2.pmadd.wd",
-        T.reinterpret(T.broadcast(T.reinterpret(T.Cast("int16x2", a.vload([0], "uint8x2")), dtype="int32"),
-                                  WIDE.lanes), dtype="int16x16"),
-        w.vload([0, 0], "int16x16"))))
+register_dot_intrin(WIDE_INTRIN, WIDE.activations, WIDE.dtype, "int32", WIDE.lanes, WIDE.group, _widened,
+                    lambda a, w, c: c.vload([0], "int32x8") + T.call_llvm_pure_intrin(
+                        "int32x8", "llvm.x86.avx2.pmadd.wd",
+                        T.reinterpret(T.broadcast(T.reinterpret(a.vload([0], "int16x2"), dtype="int32"), WIDE.lanes),
+                                      dtype="int16x16"),
+                        w.vload([0, 0], "int16x16")))
+
+
+BYTE_PAIRS_INTRIN = "tvmdm_dot_8x4_u8s8_pairs"
+
+# exact only because K's order keeps every pair sum within int16 (tvmdm.transform.saturation_free)
+register_dot_intrin(BYTE_PAIRS_INTRIN, BYTE_PAIRS.activations, BYTE_PAIRS.dtype, "int32", BYTE_PAIRS.lanes,
+                    BYTE_PAIRS.group, _widened, lambda a, w, c: c.vload([0], "int32x8") + T.call_llvm_pure_intrin(
+                        "int32x8", "llvm.x86.avx2.pmadd.wd",
+                        T.call_llvm_pure_intrin(
+                            "int16x16", "llvm.x86.avx2.pmadd.ub.sw",
+                            T.reinterpret(T.broadcast(T.reinterpret(a.vload([0], "uint8x4"), dtype="int32"),
+                                                      BYTE_PAIRS.lanes), dtype="uint8x32"),
+                            w.vload([0, 0], "int8x32")),
+                        T.broadcast(T.int16(1), 16)))
 
 
 def schedule_int8_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -66,23 +84,56 @@ def schedule_int8_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 def schedule_int8_gemm_widened(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """vpmaddwd's micro-kernel for weights packed as int16 pairs (WIDE): 4 rows x 3 vectors of 8 int32
-    accumulators (12 of AVX2's 16 registers), a pair of u8 activations widened to int16 and broadcast."""
+    """vpmaddwd's micro-kernel for weights packed as int16 pairs (WIDE) and int16 activations: 8 rows x 1 vector
+    of 8 int32 accumulators (4 x 3 spills: vpmaddwd has no accumulating form, each product needs a register;
+    2 Zen 4 cores, [1024, 768] x [768, 3072]: 8 x 1 201 GOP/s, 4 x 2 175)."""
+    return schedule_dot_gemm(func, INT8_GEMM_BLOCK, WIDE_INTRIN, None, WIDE.group, K_BLOCK, rows=_rows(func, 8),
+                             vectors=1, lanes=WIDE.lanes)
+
+
+def schedule_int8_gemm_byte_pairs(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """vpmaddubsw's micro-kernel (BYTE_PAIRS, K in a saturation-free order): 4 rows x 2 vectors of 8 int32
+    accumulators, 4 u8 activations broadcast per row (2 Zen 4 cores, [1024, 768] x [768, 3072]: 4 x 2 319
+    GOP/s, 8 x 1 248, 4 x 3 308; onnxruntime's saturating kernel 317 with its quantization)."""
     sch = Schedule(func)
     n = int(sch.get(sch.get_loops(sch.get_sblock(INT8_GEMM_BLOCK))[-2]).extent)
-    vectors = next(v for v in (3, 2, 1) if n // WIDE.lanes % v == 0)
-    return schedule_dot_gemm(func, INT8_GEMM_BLOCK, WIDE_INTRIN, None, WIDE.group, K_BLOCK, vectors=vectors,
-                             lanes=WIDE.lanes)
+    vectors = 2 if n // BYTE_PAIRS.lanes % 2 == 0 else 1
+    return schedule_dot_gemm(func, INT8_GEMM_BLOCK, BYTE_PAIRS_INTRIN, None, BYTE_PAIRS.group, K_BLOCK,
+                             rows=_rows(func, 4), vectors=vectors, lanes=BYTE_PAIRS.lanes)
+
+
+def schedule_reorder(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """The activations' K order (tvmdm.transform.int8_kernels.reorder_func) with the quantization producing
+    them inlined: rows in parallel, each row's gather from its own values (in L1), unrolled by 8."""
+    sch = Schedule(func)
+    inline_elementwise(sch, sch.get_sblock("root"))
+    *lead, k = sch.get_loops(sch.get_sblock(REORDER_BLOCK))
+    sch.parallel(sch.fuse(*lead))
+    sch.unroll(sch.split(k, [None, 8])[1])
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _rows(func: tirx.PrimFunc, most: int) -> int:
+    """``most`` rows a tile where they divide the rows (symbolic rows come padded to whole tiles of ROW_PAD,
+    which 8 divides), else the largest power of two below that does."""
+    sch = Schedule(func)
+    extent = sch.get(sch.get_loops(sch.get_sblock(INT8_GEMM_BLOCK))[-3]).extent
+    if not isinstance(extent, tirx.IntImm):
+        return most
+    return next(r for r in (most, most // 2, most // 4, 1) if r and int(extent) % r == 0)
 
 
 def _packing_of(func: tirx.PrimFunc):
-    """The weight packing an int8_gemm kernel reads (int16 weights: WIDE), None without such a block."""
+    """The weight packing an int8_gemm kernel reads (by its packed weight's dtype and lanes), None without
+    such a block."""
     sch = Schedule(func)
     try:
         block = sch.get(sch.get_sblock(INT8_GEMM_BLOCK))
     except DOES_NOT_FIT:  # get_sblock raises when there is no such block
         return None
-    return WIDE if any(r.source.dtype == WIDE.dtype for r in block.reads) else VNNI  # (0.27: regions' .source)
+    weight = next(r.source for r in block.reads if len(r.source.shape) == 4)  # (0.27: regions' .source)
+    lanes = int(weight.shape[2])
+    return next(p for p in (VNNI, BYTE_PAIRS, WIDE) if p.dtype == weight.dtype and p.lanes == lanes)
 
 
 class Int8Contractions(ScheduleRule):
@@ -97,10 +148,14 @@ class Int8Contractions(ScheduleRule):
             return {}
         if not has_int8_dot(options.target):
             warnings.warn(f"target {options.target} has no AVX512-VNNI integer dot product: the int8 contractions "
-                          "run on vpmaddwd (int16 pairs; same results, about 3x slower)", stacklevel=2)
+                          "run on vpmaddubsw (K reordered so that it cannot saturate: same results, about 2x "
+                          "slower), or vpmaddwd where no such order exists (int16 pairs, about 3x slower)",
+                          stacklevel=2)
         return super().apply(kernels, options)
 
     def schedule(self, func, options):
+        if has_block(func, REORDER_BLOCK):
+            return schedule_reorder(func)
         packing = _packing_of(func)
         if packing is None:
             return None
@@ -109,5 +164,6 @@ class Int8Contractions(ScheduleRule):
         if packing is VNNI and (has_amx_int8(options.target) or amx.EMULATE):  # whole tiles: on AMX-INT8
             scheduled = amx.schedule_amx_gemm(func, emulate=amx.EMULATE, op=amx.INT8_TILES)
         if scheduled is None:
-            scheduled = schedule_int8_gemm(func) if packing is VNNI else schedule_int8_gemm_widened(func)
+            scheduled = {VNNI: schedule_int8_gemm, BYTE_PAIRS: schedule_int8_gemm_byte_pairs,
+                         WIDE: schedule_int8_gemm_widened}[packing](func)
         return scheduled.with_attr(FLOPS_ATTR, flops)

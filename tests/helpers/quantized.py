@@ -1,5 +1,10 @@
 """Small quantized ONNX models as onnxruntime's dynamic quantization writes them (DynamicQuantizeLinear, then
-MatMulInteger against an int8 initializer, the scale multiply and a bias), and their tiny HF twins."""
+MatMulInteger against an int8 initializer, the scale multiply and a bias), and their tiny HF twins.
+
+Their weights keep every pair of consecutive rows within |w[2i] + w[2i+1]| <= 128 in each column (values up to
+127 still occur), unless ``full_range``: onnxruntime's AVX2 kernel (vpmaddubsw, CPUs without VNNI) adds those
+pairs of u8 x s8 products in int16 and saturates beyond it, so only such weights give the exact integers there
+to compare with. ``full_range`` weights (uniform in [-127, 127]) are for comparisons with numpy's integers."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,10 +12,22 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 
-def int8_matmul_model(k: int, n: int, w_zero_point: int = 0, seed: int = 0) -> onnx.ModelProto:
-    """y [batch, seq, n] = dequantize(MatMulInteger(DynamicQuantizeLinear(x), W)) + bias, x [batch, seq, k]."""
+def int8_weight(rng, k: int, n: int, full_range: bool = False) -> np.ndarray:
+    """[k, n] int8 weights (see the module doc)."""
+    weight = rng.integers(-127, 128, size=(k, n))
+    if not full_range:
+        pairs = weight[:k - k % 2].reshape(k // 2, 2, n)
+        over = np.abs(pairs.sum(axis=1)) > 128
+        pairs[:, 1][over] *= -1  # opposite signs: the pair's sum is within 127
+    return weight.astype(np.int8)
+
+
+def int8_matmul_model(k: int, n: int, w_zero_point: int = 0, seed: int = 0, full_range: bool = False,
+                      weight: np.ndarray | None = None) -> onnx.ModelProto:
+    """y [batch, seq, n] = dequantize(MatMulInteger(DynamicQuantizeLinear(x), W)) + bias, x [batch, seq, k];
+    W is ``weight`` where given."""
     rng = np.random.default_rng(seed)
-    weight = rng.integers(-127, 128, size=(k, n)).astype(np.int8)
+    weight = int8_weight(rng, k, n, full_range) if weight is None else weight
     inits = [numpy_helper.from_array(weight, "W"),
              numpy_helper.from_array(np.array(w_zero_point, np.int8), "W_zero_point"),
              numpy_helper.from_array(np.array(0.004, np.float32), "W_scale"),
@@ -22,6 +39,18 @@ def int8_matmul_model(k: int, n: int, w_zero_point: int = 0, seed: int = 0) -> o
              helper.make_node("Mul", ["acc_f", "scale"], ["product"]),
              helper.make_node("Add", ["product", "bias"], ["y"])]
     return _model("int8_matmul", nodes, inits, k, n)
+
+
+def int8_matmul_reference(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    """int8_matmul_model's output in numpy: ONNX's DynamicQuantizeLinear, the exact integer product, then the
+    fp32 epilogue."""
+    inits = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    high, low = max(0.0, float(x.max())), min(0.0, float(x.min()))
+    scale = np.float32((high - low) / 255)
+    zero_point = np.clip(np.round(-low / scale), 0, 255)
+    x_q = np.clip(np.round(x / scale) + zero_point, 0, 255).astype(np.int64)
+    acc = (x_q - int(zero_point)) @ (inits["W"].astype(np.int64) - int(inits["W_zero_point"]))
+    return acc.astype(np.float32) * (scale * inits["W_scale"]) + inits["bias"]
 
 
 def _model(name: str, nodes, inits, k: int, n: int) -> onnx.ModelProto:
@@ -49,7 +78,7 @@ def qdq_matmul_model(k: int, n: int, activation: str = "uint8", per_column: bool
     DequantizeLinear around the activations with a fixed scale and zero point, DequantizeLinear on the int8
     weight (one scale, or ``per_column`` one per output column), then a float MatMul and the bias."""
     rng = np.random.default_rng(seed)
-    weight = rng.integers(-127, 128, size=(k, n)).astype(np.int8)
+    weight = int8_weight(rng, k, n)
     x_zero_point = np.array(131 if activation == "uint8" else 3, dtype=activation)
     inits = [numpy_helper.from_array(weight, "W"),
              numpy_helper.from_array(np.zeros(n if per_column else (), np.int8), "W_zero_point"),

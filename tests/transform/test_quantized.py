@@ -9,7 +9,9 @@ import tvm
 from tvm import relax
 
 import tvmdm
-from tests.helpers.quantized import int8_matmul_model, quantized_export
+from tests.helpers.cpu_kinds import BY_NAME, asm_of
+from tests.helpers.quantized import int8_matmul_model, int8_matmul_reference, quantized_export
+from tvmdm.core.target import has_int8_dot, make_target
 from tvmdm.models import hf_export as hf_exports
 from tvmdm.transform.row_reductions import rows_then_whole
 
@@ -29,17 +31,50 @@ def _compile(model, **kwargs):
         return tvmdm.compile(model, **kwargs)
 
 
+def _target_without_vnni() -> tvm.target.Target:
+    """This CPU where it has no AVX512-VNNI, else the AVX2 kind where its code runs here."""
+    host = make_target("llvm")
+    if not has_int8_dot(host):
+        return host
+    reason = BY_NAME["zen4-avx2"].cannot_run_here()
+    if reason:
+        pytest.skip(reason)
+    return BY_NAME["zen4-avx2"].target()
+
+
+@pytest.mark.parametrize("weights, instruction", [("normal", "vpmaddubsw"), ("full range", "vpmaddwd")])
+def test_without_vnni_contractions_are_exact_where_onnxruntimes_avx2_kernel_saturates(weights, instruction):
+    # quantize_dynamic's weights of normal ones (the largest at 127) pair within int16 once K is reordered:
+    # vpmaddubsw, the activations reordered by their quantization; uniform ones do not: exact int16 pairs
+    rng = np.random.default_rng(0)
+    normal = rng.standard_normal((256, 64))
+    weight = (np.round(normal / np.abs(normal).max() * 127) if weights == "normal" else
+              rng.integers(-127, 128, (256, 64))).astype(np.int8)
+    model = int8_matmul_model(256, 64, weight=weight)
+    compiled = _compile(model, shapes={"x": [2, 24, 256]}, target=_target_without_vnni(), tuning_logs=None)
+    asm = asm_of(compiled)
+    assert instruction in asm and ("vpmaddubsw" in asm) == (weights == "normal")
+    assert any("reorder_k" in k for k in compiled.kernels) == (weights == "normal")
+    # a column whose pairs in their stored order reach past int16 (vpmaddubsw on that order saturates; so does
+    # onnxruntime on an AVX2 CPU, on this row), and a row that pushes every product of it to its extreme, 255 * w
+    pair_sums = np.abs(weight[0::2].astype(np.int32) + weight[1::2])
+    column = int(np.flatnonzero((pair_sums > 128).any(axis=0))[0])
+    x = np.random.default_rng(1).standard_normal((2, 24, 256)).astype(np.float32) * 3
+    x[0, 0] = np.where(weight[:, column] > 0, 1e3, -1e3)
+    np.testing.assert_allclose(compiled.run({"x": x})[0], int8_matmul_reference(model, x), rtol=1e-5, atol=1e-3)
+
+
 @pytest.mark.parametrize("k, n, w_zero_point, rewritten", [
-    (64, 48, 0, True),
-    (64, 40, 0, False),  # N not whole 16-column panels: the frontend's generic int32 matmul
-    (62, 48, 0, False),  # K not whole quads
-    (64, 48, 3, False),  # a weight zero point (quantize_dynamic's int8 weights have none)
+    (64, 48, 0, "vnni avx2"),
+    (64, 40, 0, "avx2"),  # N not whole 16-column panels (8 on AVX2): the frontend's generic int32 matmul
+    (62, 48, 0, "avx2"),  # K not whole quads (AVX2: exact int16 pairs)
+    (64, 48, 3, ""),  # a weight zero point (quantize_dynamic's int8 weights have none)
 ])
 def test_matmul_integer_matches_onnxruntime_and_takes_the_int8_kernel_where_it_fits(k, n, w_zero_point, rewritten):
     model = int8_matmul_model(k, n, w_zero_point)
     x = np.random.default_rng(1).standard_normal((2, 12, k)).astype(np.float32)
     compiled = _compile(model, shapes={"x": [2, 12, k]}, tuning_logs=None)
-    assert bool(_int8_kernels(compiled)) == rewritten
+    assert bool(_int8_kernels(compiled)) == (("vnni" if has_int8_dot(make_target("llvm")) else "avx2") in rewritten)
     (expected,) = _onnxruntime(model, {"x": x})
     # the same integers and the same scale: only the fp32 epilogue's rounding differs
     np.testing.assert_allclose(compiled.run({"x": x})[0], expected, rtol=1e-5, atol=1e-5)

@@ -105,7 +105,7 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     passes = [guard_gathers()] if not options.training else []
     # quantized models: integer matmuls (CPUs), DynamicQuantizeLinear's max / min in parallel (nothing to do in
     # other models)
-    passes += [int8_contractions(widened=not has_int8_dot(options.target))] if options.on_cpu else []
+    passes += [int8_contractions(vnni=has_int8_dot(options.target))] if options.on_cpu else []
     passes.append(rows_then_whole())
     passes += [paper_graph_rewrites(options.layout, options.batched_attention)] if paper else []
     passes += list(training.before_precision)

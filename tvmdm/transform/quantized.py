@@ -9,8 +9,10 @@ the activations and MatMulInteger against an int8 initializer; TVM's ONNX fronte
 with x_q uint8 [..., K], x_zp a uint8 scalar, W an int8 constant [K, N] and w_zp an int8 constant. Where w_zp
 is 0 (quantize_dynamic's symmetric int8 weights) this becomes one ``int8_gemm`` kernel (tvmdm.transform.
 int8_kernels) reading x_q as it is, W packed at compile time for the CPU's integer dot product (vpdpbusd's
-[N/16, K/4, 16, 4] int8, or vpmaddwd's [N/8, K/2, 8, 2] int16 without VNNI) with its column sums (the zero
-point's term), for schedules.int8's micro-kernels.
+[N/16, K/4, 16, 4] int8; without VNNI vpmaddubsw's [N/8, K/4, 8, 4] int8 with K in a saturation-free order,
+x_q taken in that order by the kernel that quantizes it, or vpmaddwd's exact [N/8, K/2, 8, 2] int16 with x_q
+widened to int16 where no such order exists) with its column sums (the zero point's term), for
+schedules.int8's micro-kernels.
 The dequantize after it (the int32 -> fp32 cast, the scale multiply, the bias) fuses into its epilogue.
 
 QDQ files (static quantization and other tools: QuantizeLinear / DequantizeLinear around a float MatMul) import
@@ -20,7 +22,7 @@ with 128 added to them and to their zero point (x_q - x_zp is unchanged; vpdpbus
 signed bytes), an element-wise step that fuses into the quantization producing them.
 
 Preconditions: shapes of W and the last dim of x_q concrete (the leading dims may be symbolic); N and K whole
-panels of the packing (VNNI: N % 16 == 0 and K % 4 == 0; widened: N % 8, K % 2); zero points scalars. A
+panels of the packing (VNNI: N % 16 == 0 and K % 4 == 0; AVX2: N % 8, K % 4 or else K % 2); zero points scalars. A
 contraction that does not match (a nonzero weight zero point, a weight computed at run time) keeps the
 frontend's generic int32 or float matmul: same results, slower.
 """
@@ -32,7 +34,9 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
-from tvmdm.transform.int8_kernels import VNNI, WIDE, Int8Packing, column_sums, int8_gemm_func
+from tvmdm.transform.int8_kernels import (BYTE_PAIRS, VNNI, WIDE, Int8Packing, column_sums, int8_gemm_func,
+                                          reorder_func)
+from tvmdm.transform.saturation_free import saturation_free_order
 from tvmdm.transform.ir import bindings_of, call_op, function_pass, rewritten
 
 
@@ -45,6 +49,8 @@ class Int8Gemm:
     zero_point: relax.Expr
     weight: np.ndarray
     scale: tuple | None = None  # (s_x, s_w)
+    packing: Int8Packing = VNNI
+    order: np.ndarray | None = dataclasses.field(default=None, compare=False)  # K's order (BYTE_PAIRS)
 
 
 def _widened(expr, bindings: dict, dtype: str):
@@ -118,36 +124,74 @@ def _plan(func: relax.Function, packing: Int8Packing) -> dict:
     return targets
 
 
-def int8_contractions(widened: bool = False) -> tvm.transform.Pass:
+def int8_contractions(vnni: bool = True) -> tvm.transform.Pass:
     """matmul(x_q - x_zp, W - 0) of a quantized model (or its QDQ form) -> int8_gemm(x_q, x_zp, pack(W), colsum(W))
-    in every Relax function; see the module doc. ``widened``: the weights packed for vpmaddwd (a CPU without
-    VNNI: int16 pairs) instead of vpdpbusd's quads. A model without such contractions is returned unchanged."""
-    packing = WIDE if widened else VNNI
-    return function_pass("tvmdm.Int8Contractions", lambda mod, name: _rewrite_function(mod, name, packing))
+    in every Relax function; see the module doc. ``vnni=False`` (a CPU without VNNI: AVX2): the weights packed
+    for vpmaddubsw with K in a saturation-free order (tvmdm.transform.saturation_free; the activations taken in
+    that order), or for vpmaddwd (int16 pairs, exact, slower) where no such order is found. A model without
+    such contractions is returned unchanged."""
+    return function_pass("tvmdm.Int8Contractions", lambda mod, name: _rewrite_function(mod, name, vnni))
 
 
-def _rewrite_function(mod: tvm.IRModule, name: str, packing: Int8Packing) -> tvm.IRModule:
-    targets = _plan(mod[name], packing)
+def _byte_pairs_or_wide(targets: dict) -> dict:
+    """AVX2's plans: per activation source (Q, K and V share theirs) one K order for all its weights on
+    vpmaddubsw (BYTE_PAIRS), or vpmaddwd (WIDE) for all of them where there is none."""
+    sources: dict = {}
+    for var, target in targets.items():
+        sources.setdefault(target.x, []).append(var)
+    chosen = {}
+    for users in sources.values():
+        weights = [targets[var].weight for var in users]
+        order = None
+        if all(BYTE_PAIRS.fits(*w.shape) for w in weights):
+            order = saturation_free_order(np.concatenate(weights, axis=1))
+        for var in users:
+            chosen[var] = dataclasses.replace(targets[var], packing=BYTE_PAIRS if order is not None else WIDE,
+                                              order=order)
+    return chosen
+
+
+def _rewrite_function(mod: tvm.IRModule, name: str, vnni: bool) -> tvm.IRModule:
+    targets = _plan(mod[name], VNNI if vnni else WIDE)
     if not targets:
         return mod
+    if not vnni:
+        targets = _byte_pairs_or_wide(targets)
 
     @relax.expr_functor.mutator
     class ToInt8(relax.PyExprMutator):
+        def __init__(self, mod):
+            super().__init__(mod)
+            self.activations = {}  # source var -> as the kernels of its plans read it (one per source)
+
+        def _activations(self, target: Int8Gemm) -> relax.Expr:
+            if target.x not in self.activations:
+                bb, x = self.builder_, self.visit_expr(target.x)
+                if x.ty.dtype == "int8":
+                    x = bb.emit(_as_uint8(x))
+                if target.order is not None:
+                    reorder = bb.add_func(reorder_func(x.ty.shape.values[:-1], len(target.order), x.ty.dtype),
+                                          "reorder_k")
+                    x = bb.emit(relax.call_tir(reorder, [x, relax.const(target.order.astype(np.int32))], x.ty))
+                if target.packing.activations != x.ty.dtype:
+                    x = bb.emit(relax.op.astype(x, target.packing.activations))
+                self.activations[target.x] = x
+            return self.activations[target.x]
+
         def visit_var_binding_(self, binding):
             target = targets.get(binding.var)
             if target is None:
                 return super().visit_var_binding_(binding)
-            bb = self.builder_
+            bb, packing = self.builder_, target.packing
             k, n = target.weight.shape
             lead = list(target.x.ty.shape.values)[:-1]
-            x, zero_point = self.visit_expr(target.x), self.visit_expr(target.zero_point)
-            if target.x.ty.dtype == "int8":  # as uint8: + 128 to both (their difference is unchanged)
-                x, zero_point = (bb.emit(relax.op.astype(relax.op.add(relax.op.astype(v, "int32"),
-                                                                      relax.const(128, "int32")), "uint8"))
-                                 for v in (x, zero_point))
+            zero_point = self.visit_expr(target.zero_point)
+            if zero_point.ty.dtype == "int8":
+                zero_point = bb.emit(_as_uint8(zero_point))
+            weight = target.weight if target.order is None else target.weight[target.order]
             gemm = bb.add_func(int8_gemm_func(lead, k, n, packing), "int8_gemm")
-            args = [x, zero_point, relax.const(packing.pack(target.weight)),
-                    relax.const(column_sums(target.weight))]
+            args = [self._activations(target), zero_point, relax.const(packing.pack(weight)),
+                    relax.const(column_sums(weight))]
             out = bb.emit(relax.call_tir(gemm, args, relax.TensorType(lead + [n], "int32")))
             if target.scale is not None:  # QDQ: the dequantize of the product
                 x_scale, w_scale = (self.visit_expr(v) for v in target.scale)
@@ -156,3 +200,8 @@ def _rewrite_function(mod: tvm.IRModule, name: str, packing: Int8Packing) -> tvm
             return None
 
     return rewritten(mod, name, ToInt8(mod))
+
+
+def _as_uint8(value: relax.Expr) -> relax.Expr:
+    """int8 values as uint8 + 128 (applied to activations and their zero point: the difference is unchanged)."""
+    return relax.op.astype(relax.op.add(relax.op.astype(value, "int32"), relax.const(128, "int32")), "uint8")
