@@ -20,9 +20,10 @@ from tvm.s_tir import Schedule
 
 from schedules.rule import ScheduleRule
 from tvmdm.core.target import vector_lanes
-from schedules.default import splits_evenly, tile_dividing
+from schedules.default import divides, splits_evenly, tile_dividing
 
 SCORES_BLOCK = "T_einsum"
+RESHAPE_BLOCK = "T_reshape"
 ROWS = {16: 8, 8: 4}  # query rows per register tile, by vector lanes (AVX-512: 8 x 2 accumulators of 32 registers)
 TILE = 8  # square of the key-last copy
 KEY_VECTORS = 2  # key vectors per register tile (AVX2: 4 x 2 of 16 registers)
@@ -55,7 +56,7 @@ def _key_operand(block):
 def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     """The schedule above, or None when ``func`` is not a scores einsum (alone or followed by its softmax)."""
     sch = Schedule(func)
-    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    names = _inline_reshapes(sch)
     if not names or names[0] != SCORES_BLOCK or not set(names[1:]) <= SOFTMAX_BLOCKS:
         return None
     einsum = sch.get_sblock(SCORES_BLOCK)
@@ -69,7 +70,7 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         block = sch.get_sblock(name)
         inner = sch.get_loops(block)[-1]
         if sch.get(block).iter_vars[-1].iter_type == tirx.IterVar.CommReduce and \
-                isinstance(sch.get(inner).extent, tirx.IntImm) and int(sch.get(inner).extent) % lanes == 0:
+                divides(sch.get(inner).extent, lanes):
             _, lane = sch.split(inner, [None, lanes])
             sch.rfactor(lane, factor_axis=len(sch.get(block).iter_vars) - 1)
             partial.append(name)
@@ -101,10 +102,10 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     # element and a contiguous key-tile row per step.
     *_, i, key, d = sch.get_loops(einsum)
     keys = sch.get(key).extent
-    # Symbolic keys (a module serving every seq) take the ragged path too: a predicated key tile made the
-    # accumulators a heap buffer of symbolic size (SM 26 ms instead of 17 on the base layer, B=8, S=128).
-    vectors = next((v for v in (KEY_VECTORS, 1) if splits_evenly(keys, v * lanes)), None) \
-        if isinstance(keys, tirx.IntImm) else None
+    # Other symbolic keys take the ragged path: a predicated key tile made the accumulators a heap buffer of
+    # symbolic size (SM 26 ms instead of 17 on the base layer, B=8, S=128); padded ones
+    # (tvmdm.transform.attention_padding: blocks * 16) split into whole vectors.
+    vectors = next((v for v in (KEY_VECTORS, 1) if divides(keys, v * lanes)), None)
     if vectors is None:  # a ragged key axis: rows of scores, vectorized where they can be
         sch.reorder(d, key)
         sch.decompose_reduction(einsum, d)
@@ -135,6 +136,15 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         elif splits_evenly(sch.get(loops[-1]).extent, lanes):
             sch.vectorize(sch.split(loops[-1], [None, lanes])[1])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _inline_reshapes(sch) -> list[str]:
+    """Inline the reshapes that read a padded operand as [.., blocks, 16, ..] (tvmdm.transform.
+    attention_padding) into their readers; the names of the blocks left, in order."""
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        if sch.get(block).name_hint.startswith(RESHAPE_BLOCK):
+            sch.compute_inline(block)
+    return [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
 
 
 def _loops_under(sch, loops, outer) -> list:
@@ -198,6 +208,7 @@ def schedule_context(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     P element and a contiguous V row segment per step (the V rows of one head are 256 bytes each, read in
     place)."""
     sch = Schedule(func)
+    _inline_reshapes(sch)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     if len(blocks) != 1 or sch.get(blocks[0]).name_hint != SCORES_BLOCK:
         return None

@@ -21,13 +21,20 @@ from schedules.tensor_cores import TensorCoreContractions
 VECTOR_LANES = 16  # 512-bit vectors of fp32
 
 
+def divides(extent, factor: int) -> bool:
+    """Whether ``factor`` divides ``extent`` for sure: a concrete one, or a symbolic one written as a multiple
+    of it (tvmdm.transform.attention_padding's blocks * 16)."""
+    if isinstance(extent, tirx.IntImm):
+        return int(extent) % factor == 0
+    return bool(tvm.sym.Analyzer().can_prove(tirx.floormod(extent, factor) == 0))
+
+
 def tile_dividing(extent, tiles) -> int:
-    """The first of ``tiles`` (largest first, the last 1) that divides a concrete ``extent``; the last for a
-    symbolic one (a module serving every batch and seq): a partial tile would need a predicate, which made the
-    tile's local buffers of symbolic size (heap, not registers) and broke rfactor's vectorized partials."""
-    if not isinstance(extent, tirx.IntImm):
-        return tiles[-1]
-    return next(t for t in tiles if int(extent) % t == 0)
+    """The first of ``tiles`` (largest first, the last 1) that divides ``extent`` (see divides); the last for
+    another symbolic one (a module serving every batch and seq): a partial tile would need a predicate, which
+    made the tile's local buffers of symbolic size (heap, not registers) and broke rfactor's vectorized
+    partials."""
+    return next((t for t in tiles if divides(extent, t)), tiles[-1])
 
 
 def splits_evenly(extent, factor: int) -> bool:

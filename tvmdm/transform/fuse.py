@@ -31,6 +31,7 @@ from tvmdm.transform.ir import op_name
 from tvmdm.transform.patterns import (FORWARD_KERNELS, inline_pattern_kernels, name_paper_kernels, paper_patterns,
                                       record_read_fractions)
 from tvmdm.transform.precision import precision_passes
+from tvmdm.transform.attention_padding import pad_attention_keys, whole_block_kernels
 from tvmdm.transform.quantized import int8_contractions
 from tvmdm.transform.row_reductions import rows_then_whole
 
@@ -119,6 +120,8 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
                                                     bind_constants=False,
                                                     annotate_codegen=False),
                    name_paper_kernels(), record_read_fractions(record.read_fractions)]
+        if options.on_cpu and not options.training and not options.batched_attention:
+            passes.append(pad_attention_keys())  # symbolic sequences: whole vectors of keys
     return passes
 
 
@@ -135,6 +138,7 @@ def fusion_pipeline(options: Options, record: FusionRecord | None = None,
         passes += [relax.transform.FuseOps(), record_kernel_ops(record.kernel_ops), relax.transform.FuseTIR()]
         if options.fusion == "paper":
             passes.append(inline_pattern_kernels(FORWARD_KERNELS + tuple(name for name, _ in training.patterns)))
+            passes.append(whole_block_kernels())
     else:
         passes.append(record_kernel_ops(record.kernel_ops))
     # A kernel that only reshapes becomes a view (as relax.build would do): no bytes move.
