@@ -57,7 +57,8 @@ def pad_func(shape, length: tirx.Var, value: float, dtype: str) -> tirx.PrimFunc
 
 
 def cut_func(padded_shape, shape, dtype: str) -> tirx.PrimFunc:
-    """y = the first ``shape`` of x (its padded rows dropped); injective: it fuses into its reader."""
+    """y = the first ``shape`` of x: its padded rows dropped (a copy of the real rows, ~0.1 ms at (8, 128):
+    its reader, the output projection, is a kernel of ours that FuseOps does not fuse into)."""
     x = te.placeholder(padded_shape, dtype, name="x")
     y = te.compute(shape, lambda *idx: x(*idx), name="cut_keys")
     return private_func(te.create_prim_func([x, y])).with_attr("op_pattern", 2)
