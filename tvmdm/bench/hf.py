@@ -38,14 +38,14 @@ EXPORTERS = ("legacy", "dynamo")
 LR = 1e-4
 
 
-def export_models(size: str, out_dir: str, out=print) -> dict:
-    """{"bert": {exporter: path}, "bert-seqcls": {exporter: path}}: dynamic-axes exports, opset 17 (legacy) and
-    18 (dynamo), made once (an existing file is reused)."""
+def export_models(size: str, out_dir: str, out=print, families=("bert", "bert-seqcls")) -> dict:
+    """{family: {exporter: path}} ("bert", "bert-seqcls"): dynamic-axes exports, opset 17 (legacy) and 18
+    (dynamo), made once (an existing file is reused)."""
     from tvmdm.models import hf_export
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {}
-    for family in ("bert", "bert-seqcls"):
+    for family in families:
         model = hf_export.tiny_model(family, size=size)
         for exporter in EXPORTERS:
             path = os.path.join(out_dir, f"{family}-{size}-{exporter}.onnx")
@@ -274,7 +274,10 @@ class Results:
 
 
 def run(size: str = "base", out_dir: str = "out/bench_hf", steps=("compile", "latency", "memory", "train",
-                                                                    "analyze"), out=print) -> dict:
+                                                                    "analyze"), out=print, sizes=None) -> dict:
+    """The steps named, each result written to the JSON as it ends; ``sizes``: the (batch, seq) of the latency
+    and memory steps (default: the size's SIZES). Only the exports the steps read are made (the classifier's
+    for "train")."""
     from tvmdm.models import hf_export
     from tvmdm.bench.machine import machine_info
     from tvmdm.core.target import num_cores
@@ -282,14 +285,15 @@ def run(size: str = "base", out_dir: str = "out/bench_hf", steps=("compile", "la
     os.makedirs(out_dir, exist_ok=True)
     results = Results(os.path.join(out_dir, f"bench_hf-{size}.json"), size)
     results.add("machine", machine_info(num_cores()))
-    paths = export_models(size, out_dir, out)
+    paths = export_models(size, out_dir, out, ("bert", "bert-seqcls") if "train" in steps else ("bert",))
     bert = hf_export.tiny_model("bert", size=size)  # the same seeded weights the exports carry
     batch, seq = TRAIN_SIZE[size]
+    sizes = SIZES[size] if sizes is None else sizes
     step_runs = {
         "compile": lambda: compile_costs(paths["bert"], batch, seq, out),
-        "latency": lambda: {e: latencies(p, bert, SIZES[size], out=out) for e, p in paths["bert"].items()},
+        "latency": lambda: {e: latencies(p, bert, sizes, out=out) for e, p in paths["bert"].items()},
         "memory": lambda: {f"{b}x{s}": run_memory(paths["bert"]["legacy"], bert, b, s, out_dir, out)
-                           for b, s in SIZES[size]},
+                           for b, s in sizes},
         "train": lambda: {e: train_step(p, hf_export.tiny_model("bert-seqcls", size=size), batch, seq, out=out)
                           for e, p in paths["bert-seqcls"].items()},
         "analyze": lambda: data_movement(paths["bert"]["legacy"], batch, seq, out),
