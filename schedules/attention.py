@@ -23,7 +23,6 @@ from tvmdm.core.target import vector_lanes
 from schedules.default import divides, splits_evenly, tile_dividing
 
 SCORES_BLOCK = "T_einsum"
-RESHAPE_BLOCK = "T_reshape"
 ROWS = {16: 8, 8: 4}  # query rows per register tile, by vector lanes (AVX-512: 8 x 2 accumulators of 32 registers)
 TILE = 8  # square of the key-last copy
 KEY_VECTORS = 2  # key vectors per register tile (AVX2: 4 x 2 of 16 registers)
@@ -56,7 +55,7 @@ def _key_operand(block):
 def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     """The schedule above, or None when ``func`` is not a scores einsum (alone or followed by its softmax)."""
     sch = Schedule(func)
-    names = _inline_reshapes(sch)
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
     if not names or names[0] != SCORES_BLOCK or not set(names[1:]) <= SOFTMAX_BLOCKS:
         return None
     einsum = sch.get_sblock(SCORES_BLOCK)
@@ -138,15 +137,6 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def _inline_reshapes(sch) -> list[str]:
-    """Inline the reshapes that read a padded operand as [.., blocks, 16, ..] (tvmdm.transform.
-    attention_padding) into their readers; the names of the blocks left, in order."""
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
-        if sch.get(block).name_hint.startswith(RESHAPE_BLOCK):
-            sch.compute_inline(block)
-    return [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
-
-
 def _loops_under(sch, loops, outer) -> list:
     """The loops of ``loops`` (a block's, outermost first) nested inside loop ``outer``."""
     at = next(i for i, loop in enumerate(loops) if sch.get(loop).same_as(sch.get(outer)))
@@ -208,7 +198,6 @@ def schedule_context(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     P element and a contiguous V row segment per step (the V rows of one head are 256 bytes each, read in
     place)."""
     sch = Schedule(func)
-    _inline_reshapes(sch)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     if len(blocks) != 1 or sch.get(blocks[0]).name_hint != SCORES_BLOCK:
         return None

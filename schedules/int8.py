@@ -30,7 +30,7 @@ from tvm.script import tirx as T
 from schedules import amx
 from schedules.amx import has_amx_int8
 from schedules.bf16 import register_dot_intrin, schedule_dot_gemm
-from schedules.default import inline_elementwise
+from schedules.default import inline_elementwise, tile_dividing
 from schedules.dpbf16ps import llvm_dot_function
 from schedules.packed import has_block
 from schedules.rule import DOES_NOT_FIT, FLOPS_ATTR, ScheduleRule
@@ -120,7 +120,7 @@ def _rows(func: tirx.PrimFunc, most: int) -> int:
     extent = sch.get(sch.get_loops(sch.get_sblock(INT8_GEMM_BLOCK))[-3]).extent
     if not isinstance(extent, tirx.IntImm):
         return most
-    return next(r for r in (most, most // 2, most // 4, 1) if r and int(extent) % r == 0)
+    return tile_dividing(extent, [r for r in (most, most // 2, most // 4) if r] + [1])
 
 
 def _packing_of(func: tirx.PrimFunc):
