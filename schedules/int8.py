@@ -14,6 +14,8 @@ u8 x s8 products added in pairs into int16 lanes, which saturate, then a vpmaddw
 (onnxruntime's AVX2 kernels, saturation included). Here K's rows come in an order whose pairs cannot saturate
 (tvmdm.transform.saturation_free), so its results are exact; weights with no such order are packed as int16
 pairs for vpmaddwd (2 exact products per lane, int16 activations). One warning says the CPU has no VNNI.
+A CPU with AVX-VNNI but no AVX-512 (Alder Lake and later client parts) runs vpdpbusd on 256-bit registers over
+the same [N/8, K/4, 8, 4] packing, in the weights' own order (no saturation to avoid).
 2 Zen 4 cores, [1024, 768] x [768, 3072]: vpdpbusd 680-900 GOP/s (AVX-512), vpmaddubsw 319, vpmaddwd 201,
 widened int32 multiplies 65.
 """
@@ -34,7 +36,7 @@ from schedules.default import inline_elementwise, tile_dividing
 from schedules.dpbf16ps import llvm_dot_function
 from schedules.packed import has_block
 from schedules.rule import DOES_NOT_FIT, FLOPS_ATTR, ScheduleRule
-from tvmdm.core.target import has_int8_dot
+from tvmdm.core.target import has_avx_vnni, has_int8_dot
 from tvmdm.transform.int8_kernels import BYTE_PAIRS, INT8_GEMM_BLOCK, REORDER_BLOCK, VNNI, WIDE
 
 INTRIN = "tvmdm_dot_16x4_u8s8"
@@ -78,6 +80,18 @@ register_dot_intrin(BYTE_PAIRS_INTRIN, BYTE_PAIRS.activations, BYTE_PAIRS.dtype,
                         T.broadcast(T.int16(1), 16)))
 
 
+AVX_VNNI_INTRIN = "tvmdm_dot_8x4_u8s8"
+
+# AVX-VNNI: vpdpbusd on 256-bit registers (the VEX form; LLVM's intrinsic is the one AVX512VL-VNNI shares) over
+# BYTE_PAIRS' [8, 4] tiles in the stored order: four products added into int32, nothing to saturate
+register_dot_intrin(AVX_VNNI_INTRIN, BYTE_PAIRS.activations, BYTE_PAIRS.dtype, "int32", BYTE_PAIRS.lanes,
+                    BYTE_PAIRS.group, _widened, lambda a, w, c: T.call_llvm_pure_intrin(
+                        "int32x8", "llvm.x86.avx512.vpdpbusd.256", c.vload([0], "int32x8"),
+                        T.reinterpret(T.broadcast(T.reinterpret(a.vload([0], "uint8x4"), dtype="int32"),
+                                                  BYTE_PAIRS.lanes), dtype="uint8x32"),
+                        w.vload([0, 0], "int8x32")))
+
+
 def schedule_int8_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """vpdpbusd's micro-kernel (schedules.bf16.schedule_dot_gemm with the u8 x s8 quad intrinsic)."""
     return schedule_dot_gemm(func, INT8_GEMM_BLOCK, INTRIN, DPBUSD_LLVM, VNNI.group, K_BLOCK)
@@ -99,6 +113,17 @@ def schedule_int8_gemm_byte_pairs(func: tirx.PrimFunc) -> tirx.PrimFunc:
     n = int(sch.get(sch.get_loops(sch.get_sblock(INT8_GEMM_BLOCK))[-2]).extent)
     vectors = 2 if n // BYTE_PAIRS.lanes % 2 == 0 else 1
     return schedule_dot_gemm(func, INT8_GEMM_BLOCK, BYTE_PAIRS_INTRIN, None, BYTE_PAIRS.group, K_BLOCK,
+                             rows=_rows(func, 4), vectors=vectors, lanes=BYTE_PAIRS.lanes)
+
+
+def schedule_int8_gemm_avx_vnni(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """AVX-VNNI's micro-kernel (BYTE_PAIRS in the stored order, vpdpbusd on ymm): 4 rows x 3 vectors of 8 int32
+    accumulators where N allows (vpdpbusd accumulates in place: 12 accumulators, 3 weight vectors and the
+    broadcast fill the 16 registers), else 4 x 2. Not yet measured: no AVX-VNNI machine among ours."""
+    sch = Schedule(func)
+    n = int(sch.get(sch.get_loops(sch.get_sblock(INT8_GEMM_BLOCK))[-2]).extent)
+    vectors = tile_dividing(n // BYTE_PAIRS.lanes, [3, 2, 1])
+    return schedule_dot_gemm(func, INT8_GEMM_BLOCK, AVX_VNNI_INTRIN, None, BYTE_PAIRS.group, K_BLOCK,
                              rows=_rows(func, 4), vectors=vectors, lanes=BYTE_PAIRS.lanes)
 
 
@@ -139,15 +164,16 @@ def _packing_of(func: tirx.PrimFunc):
 class Int8Contractions(ScheduleRule):
     """Every kernel with an int8_gemm block (a quantized model's contractions, made by tvmdm.transform.
     quantized) on the tile units where the CPU has AMX-INT8 and the shape fills whole tiles (schedules.amx),
-    else on vpdpbusd where it has AVX512-VNNI, else on vpmaddwd with int16 pairs (one warning says so)."""
+    else on vpdpbusd where it has AVX512-VNNI (zmm) or AVX-VNNI (ymm), else on vpmaddubsw or vpmaddwd (one
+    warning says so)."""
 
     name = "int8 contractions"
 
     def apply(self, kernels: dict, options) -> dict:
         if not options.on_cpu or not any(has_block(f, INT8_GEMM_BLOCK) for f in kernels.values()):
             return {}
-        if not has_int8_dot(options.target):
-            warnings.warn(f"target {options.target} has no AVX512-VNNI integer dot product: the int8 contractions "
+        if not has_int8_dot(options.target) and not has_avx_vnni(options.target):
+            warnings.warn(f"target {options.target} has no VNNI integer dot product: the int8 contractions "
                           "run on vpmaddubsw (K reordered so that it cannot saturate: same results, about 2x "
                           "slower), or vpmaddwd where no such order exists (int16 pairs, about 3x slower)",
                           stacklevel=2)
@@ -163,6 +189,8 @@ class Int8Contractions(ScheduleRule):
         scheduled = None
         if packing is VNNI and (has_amx_int8(options.target) or amx.EMULATE):  # whole tiles: on AMX-INT8
             scheduled = amx.schedule_amx_gemm(func, emulate=amx.EMULATE, op=amx.INT8_TILES)
+        if scheduled is None and packing is BYTE_PAIRS and has_avx_vnni(options.target):
+            scheduled = schedule_int8_gemm_avx_vnni(func)  # exact in any K order
         if scheduled is None:
             scheduled = {VNNI: schedule_int8_gemm, BYTE_PAIRS: schedule_int8_gemm_byte_pairs,
                          WIDE: schedule_int8_gemm_widened}[packing](func)

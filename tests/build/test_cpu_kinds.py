@@ -8,9 +8,11 @@ import warnings
 import numpy as np
 import pytest
 
+import tvm
+
 import tvmdm
 from tests.helpers.cpu_kinds import KINDS, asm_of
-from tests.helpers.quantized import int8_matmul_model
+from tests.helpers.quantized import int8_matmul_model, int8_matmul_reference
 from schedules.logs import shipped_logs
 from schedules.bf16 import has_bf16_dot
 from schedules.int8 import has_int8_dot
@@ -18,7 +20,7 @@ from schedules.database import TuningLogWarning
 from tvmdm.build.options import packed_lanes
 from tvmdm.models import BertConfig, build_encoder_layer
 from tvmdm.core.precision import BF16_MAX_REL_ERR
-from tvmdm.core.target import vector_lanes
+from tvmdm.core.target import features_missing_here, llvm_target, vector_lanes
 
 # Contraction dims whole panels for both widths (AVX2: 24 columns, AVX-512: 48); 16 keys: whole key vectors
 # for both, and 8 lanes' rows of exactly two vectors.
@@ -137,7 +139,7 @@ def test_int8_code_of_each_kind_and_its_numbers_where_this_machine_can_run_it(ki
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled = tvmdm.compile(model, shapes={"x": [2, 16, 64]}, target=kind.target(), tuning_logs=None)
-    assert any("no AVX512-VNNI" in str(w.message) for w in caught) != kind.int8_dot
+    assert any("no VNNI" in str(w.message) for w in caught) != kind.int8_dot
     assert [k for k in compiled.hand_kernels if "int8_gemm" in k]
     asm = asm_of(compiled)
     # AVX2: vpmaddubsw, K reordered so that it cannot saturate (the model's weights allow it)
@@ -163,3 +165,22 @@ def test_each_kind_runs_and_matches_onnxruntime_where_this_machine_can(kind, pre
         assert result.ok, str(result)
     else:
         assert max(o.max_rel_err for o in result.outputs) <= BF16_MAX_REL_ERR, str(result)
+
+
+def test_int8_on_avx_vnni_takes_vpdpbusd_on_256_bit_registers_in_the_stored_order():
+    # Alder Lake and later client CPUs: VNNI without AVX-512 (none of our kinds; built from LLVM's model alone)
+    target = tvm.target.Target(llvm_target("alderlake", None, **{"num-cores": 2}))
+    weight = np.random.default_rng(0).integers(-127, 128, (64, 48)).astype(np.int8)  # pairs that saturate vpmaddubsw
+    model = int8_matmul_model(64, 48, weight=weight)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = tvmdm.compile(model, shapes={"x": [2, 16, 64]}, target=target, tuning_logs=None)
+    assert not any("no VNNI" in str(w.message) for w in caught)
+    asm = asm_of(compiled)
+    assert re.search(r"vpdpbusd\s+%ymm", asm) and "zmm" not in asm and "vpmaddubsw" not in asm
+    assert not any("reorder_k" in k for k in compiled.kernels)  # vpdpbusd cannot saturate: no K order needed
+    missing = features_missing_here(target)
+    if missing:
+        pytest.skip(f"this machine lacks {', '.join(missing)}, which code built for an AVX-VNNI CPU may use")
+    x = np.random.default_rng(1).standard_normal((2, 16, 64)).astype(np.float32) * 3
+    np.testing.assert_allclose(compiled.run({"x": x})[0], int8_matmul_reference(model, x), rtol=1e-5, atol=1e-3)

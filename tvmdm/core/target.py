@@ -172,6 +172,12 @@ def has_int8_dot(target: tvm.target.Target) -> bool:
     return cpu_has(target, "avx512vnni")
 
 
+def has_avx_vnni(target: tvm.target.Target) -> bool:
+    """Whether ``target``'s CPU has AVX-VNNI's vpdpbusd on 256-bit registers but not AVX512-VNNI's (Alder Lake
+    and the client parts after it, which have no AVX-512)."""
+    return cpu_has(target, "avxvnni") and not has_int8_dot(target)
+
+
 def attention_on_matrix_units(target: tvm.target.Target, precision: str) -> bool:
     """Whether the attention's contractions run on matrix units: CUDA (tensor cores; schedules.tensor_cores) or
     bf16 on a CPU with AMX-BF16 (schedules.amx). There the paper level keeps them as batched matmuls, one

@@ -11,7 +11,8 @@ is 0 (quantize_dynamic's symmetric int8 weights) this becomes one ``int8_gemm`` 
 int8_kernels) reading x_q as it is, W packed at compile time for the CPU's integer dot product (vpdpbusd's
 [N/16, K/4, 16, 4] int8; without VNNI vpmaddubsw's [N/8, K/4, 8, 4] int8 with K in a saturation-free order,
 x_q taken in that order by the kernel that quantizes it, or vpmaddwd's exact [N/8, K/2, 8, 2] int16 with x_q
-widened to int16 where no such order exists) with its column sums (the zero point's term), for
+widened to int16 where no such order exists; with AVX-VNNI the same [N/8, K/4, 8, 4] in the stored order,
+for vpdpbusd on 256-bit registers) with its column sums (the zero point's term), for
 schedules.int8's micro-kernels.
 The dequantize after it (the int32 -> fp32 cast, the scale multiply, the bias) fuses into its epilogue.
 
@@ -124,13 +125,14 @@ def _plan(func: relax.Function, packing: Int8Packing) -> dict:
     return targets
 
 
-def int8_contractions(vnni: bool = True) -> tvm.transform.Pass:
+def int8_contractions(vnni: bool = True, avx_vnni: bool = False) -> tvm.transform.Pass:
     """matmul(x_q - x_zp, W - 0) of a quantized model (or its QDQ form) -> int8_gemm(x_q, x_zp, pack(W), colsum(W))
-    in every Relax function; see the module doc. ``vnni=False`` (a CPU without VNNI: AVX2): the weights packed
-    for vpmaddubsw with K in a saturation-free order (tvmdm.transform.saturation_free; the activations taken in
-    that order), or for vpmaddwd (int16 pairs, exact, slower) where no such order is found. A model without
-    such contractions is returned unchanged."""
-    return function_pass("tvmdm.Int8Contractions", lambda mod, name: _rewrite_function(mod, name, vnni))
+    in every Relax function; see the module doc. ``vnni=False`` (a CPU without AVX512-VNNI): with ``avx_vnni``
+    (AVX-VNNI: vpdpbusd on 256-bit registers) the weights packed as BYTE_PAIRS in their own order, which
+    vpdpbusd reads without saturating; without it (AVX2) packed for vpmaddubsw with K in a saturation-free
+    order (tvmdm.transform.saturation_free; the activations taken in that order), or for vpmaddwd (int16 pairs,
+    exact, slower) where no such order is found. A model without such contractions is returned unchanged."""
+    return function_pass("tvmdm.Int8Contractions", lambda mod, name: _rewrite_function(mod, name, vnni, avx_vnni))
 
 
 def _byte_pairs_or_wide(targets: dict) -> dict:
@@ -151,12 +153,19 @@ def _byte_pairs_or_wide(targets: dict) -> dict:
     return chosen
 
 
-def _rewrite_function(mod: tvm.IRModule, name: str, vnni: bool) -> tvm.IRModule:
+def _byte_pairs_as_stored(targets: dict) -> dict:
+    """AVX-VNNI's plans: BYTE_PAIRS in the weights' own order (vpdpbusd adds its four products into int32:
+    nothing saturates) wherever K is whole quads, else WIDE."""
+    return {var: dataclasses.replace(target, packing=BYTE_PAIRS) if BYTE_PAIRS.fits(*target.weight.shape)
+            else target for var, target in targets.items()}
+
+
+def _rewrite_function(mod: tvm.IRModule, name: str, vnni: bool, avx_vnni: bool) -> tvm.IRModule:
     targets = _plan(mod[name], VNNI if vnni else WIDE)
     if not targets:
         return mod
     if not vnni:
-        targets = _byte_pairs_or_wide(targets)
+        targets = _byte_pairs_as_stored(targets) if avx_vnni else _byte_pairs_or_wide(targets)
 
     @relax.expr_functor.mutator
     class ToInt8(relax.PyExprMutator):
