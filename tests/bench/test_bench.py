@@ -296,3 +296,20 @@ def test_a_quantized_file_is_benchmarked_as_it_is_and_int8_training_is_refused(t
     assert result["agreement"]["tvmdm"] < 1e-4  # the same integers as onnxruntime
     with pytest.raises(tvmdm.TvmdmError, match="int8 is for inference"):
         training_jobs("bert-tiny-layer", model, 2, 8, str(tmp_path), precisions=("fp32", "int8"))
+
+
+def test_hf_classifier_train_bench_adds_bf16_rows_each_system_in_its_own_process(hf_export):
+    # what #26 compares on an AMX CPU: tvmdm's bf16 step against PyTorch eager under bf16 autocast, same weights
+    from tvmdm.bench import hf as bench_hf
+
+    lines = []
+    # bf16 alone (the fp32 step's agreement with PyTorch is tests/e2e/test_full_bert's): PyTorch fp32 is the reference
+    found = bench_hf.train_step(hf_export("bert-seqcls"), "tiny", 2, 8, precisions=("bf16",), min_runs=1,
+                                max_seconds=0.5, out=lines.append)
+    assert [t["system"] for t in found["timings"]] == ["tvmdm[bf16]", "torch-eager", "torch-eager[bf16]"]
+    assert all(len(v) == 3 for v in found["losses"].values())
+    bf16, fp32 = found["losses"]["tvmdm[bf16]"], found["losses"]["torch-eager"]
+    # within the bound (checked inside), not equal (it rounds), and it trains
+    assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(bf16, fp32)) and bf16 != fp32 and bf16[2] < bf16[0]
+    assert found["torch_eager_bf16_over_tvmdm_bf16"] > 0
+    assert any("tvmdm[bf16] vs torch-eager[bf16] (autocast)" in line for line in lines)

@@ -76,9 +76,8 @@ def test_symbolic_modules_pack_even_where_logs_were_tuned_on_this_cpu():
 def test_twelve_layer_classifier_trains_as_pytorch_does(tmp_path, exporter):
     # The dynamo export carries Dropout nodes (eval mode): stripped before Gradient, which has none for them.
     paths = bench_hf.export_models("tiny-12", str(tmp_path), out=lambda line: None)
-    model = hf_exports.tiny_model("bert-seqcls", size="tiny-12")
-    found = bench_hf.train_step(paths["bert-seqcls"][exporter], model, 2, 8, min_runs=1, max_seconds=1.0,
-                                out=lambda line: None)
+    found = bench_hf.train_step(paths["bert-seqcls"][exporter], "tiny-12", 2, 8, min_runs=1, max_seconds=1.0,
+                                isolated=False, out=lambda line: None)
     assert found["max_rel_loss_gap"] < 1e-5, found["losses"]
     assert found["losses"]["tvmdm"][2] < found["losses"]["tvmdm"][0]  # AdamW moved the weights
 

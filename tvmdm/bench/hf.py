@@ -12,7 +12,8 @@ exporters with dynamic (batch, seq) axes, then, each step's result written to th
 - memory: peak resident memory of a fresh process that loads and runs the model (tvmdm's exported artifact, as
   a deployment runs it: TVM's runtime library alone, no torch; vs an onnxruntime session on the ONNX file);
 - train: a BertForSequenceClassification step (cross-entropy, AdamW) of tvmdm vs PyTorch eager from the same
-  weights, the losses of the first steps compared, then timed;
+  weights, each in a process of its own, the losses of the first steps compared, then timed; ``--precision
+  fp32,bf16`` adds tvmdm[bf16] and PyTorch under bf16 autocast, ``--torch-compile`` torch.compile;
 - analyze: flops and bytes per kernel class, stock vs paper fusion.
 
 The same code runs on the 12-layer tiny twin (``--size tiny-12``) in the test suite.
@@ -30,7 +31,6 @@ import time
 import numpy as np
 
 from tvmdm.bench.inference import check_and_time, format_table, summarize
-from tvmdm.bench.timing import time_until_stable
 
 SIZES = {"base": [(1, 128), (8, 128), (1, 512)], "tiny-12": [(1, 16), (2, 8), (1, 40)]}
 TRAIN_SIZE = {"base": (8, 128), "tiny-12": (2, 8)}
@@ -192,52 +192,68 @@ def run_memory(path: str, model, batch: int, seq: int, work_dir: str, out=print)
     return found
 
 
-def train_step(path: str, model, batch: int, seq: int, *, steps: int = 3, min_runs: int = 3,
-               max_seconds: float = 60.0, out=print) -> dict:
-    """tvmdm's compiled step vs PyTorch eager on the exported BertForSequenceClassification, same weights:
-    cross-entropy, AdamW(lr=LR); the losses of ``steps`` steps compared, then each timed."""
-    import torch
+def train_step(path: str, model_size: str, batch: int, seq: int, *, precisions=("fp32",),
+               torch_compile: bool = False, steps: int = 3, min_runs: int = 3, max_seconds: float = 60.0,
+               isolated: bool = True, out=print) -> dict:
+    """tvmdm's compiled step vs PyTorch eager on the exported BertForSequenceClassification (``model_size``'s
+    seeded weights, the export's): cross-entropy, AdamW(lr=LR). tvmdm in each of ``precisions`` ("tvmdm" for
+    fp32, "tvmdm[p]" else); PyTorch eager in fp32 and, for each reduced precision, under its autocast
+    ("torch-eager[p]"); ``torch_compile`` adds torch.compile likewise. Each system in a process of its own
+    (tvmdm.bench.isolated): the losses of ``steps`` steps from the same weights compared with PyTorch's fp32
+    step (bench.training.check_training_agreement: fp32 within 1e-3, reduced precisions within 1e-2), then
+    timed. ``isolated=False``: every system in this process instead, the steps not exported (tests of the
+    losses; its timings are disturbed, see tvmdm.bench.isolated)."""
+    import tempfile
 
     import tvmdm
-    from tvmdm.models import hf_export
+    from tvmdm.bench.isolated import Job, in_process, run_jobs
+    from tvmdm.bench.training import check_training_agreement
     from tvmdm.core.target import num_cores
+    from tvmdm.models import hf_export
 
-    t0 = time.perf_counter()
-    step = tvmdm.compile_train_step(path, loss="cross_entropy", optimizer=tvmdm.AdamW(lr=LR), batch=batch, seq=seq)
-    compile_seconds = time.perf_counter() - t0
-    feeds = sample_feeds("bert-seqcls", model, batch, seq)
-    labels = np.random.default_rng(1).integers(0, hf_export.NUM_LABELS, size=batch).astype(np.int64)
-    torch.set_num_threads(num_cores())
-    reference = hf_export.without_dropout(model).train()
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
-    torch_feeds = {k: torch.from_numpy(v) for k, v in feeds.items()}
-    torch_labels = torch.from_numpy(labels)
-
-    def torch_step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        loss = reference(**torch_feeds, labels=torch_labels).loss
-        loss.backward()
-        optimizer.step()
-        return loss.item()
-
-    systems = {"tvmdm": lambda: step.step(dict(feeds, labels=labels)), "torch-eager": torch_step}
-    # Each system's steps and timing before the next runs at all: PyTorch's OpenMP threads keep spinning after
-    # its kernels, and a tvmdm step timed after them measured 1.7x slower with a 2.5x spread.
-    losses, timings = {}, []
-    for name, fn in systems.items():
-        losses[name] = [fn() for _ in range(steps)]
-        timings.append(summarize(name, time_until_stable(fn, warmup=0, min_runs=min_runs, max_seconds=max_seconds)))
-    gaps = [abs(a - b) / abs(b) for a, b in zip(losses["tvmdm"], losses["torch-eager"])]
-    out(f"  losses of {steps} steps: tvmdm {losses['tvmdm']}, torch {losses['torch-eager']} "
-        f"(max rel. gap {max(gaps):.2g})")
-    eager = timings[1].median_ms
+    reduced = [p for p in precisions if p != "fp32"]
+    compile_seconds = {}
+    with tempfile.TemporaryDirectory(prefix="tvmdm-bench-hf-train-") as tmp:
+        jobs = {}
+        for precision in precisions:
+            t0 = time.perf_counter()
+            step = tvmdm.compile_train_step(path, loss="cross_entropy", optimizer=tvmdm.AdamW(lr=LR), batch=batch,
+                                            seq=seq, precision=precision)
+            name = "tvmdm" if precision == "fp32" else f"tvmdm[{precision}]"
+            compile_seconds[name] = time.perf_counter() - t0
+            jobs[name] = Job("tvmdm-train", {"step": step.export(os.path.join(tmp, f"{precision}.tar")) if isolated
+                                             else step, "loss_steps": steps})
+        torch_spec = {"family": "bert-seqcls", "size": model_size, "threads": num_cores(), "lr": LR,
+                      "loss_steps": steps}
+        for system, compiled in [("torch-eager", False)] + ([("torch-compile", True)] if torch_compile else []):
+            jobs[system] = Job("hf-train", dict(torch_spec, compile=compiled))
+            for precision in reduced:
+                jobs[f"{system}[{precision}]"] = Job("hf-train", dict(torch_spec, compile=compiled, autocast=precision))
+        feeds = sample_feeds("bert-seqcls", hf_export.tiny_model("bert-seqcls", size=model_size), batch, seq)
+        labels = np.random.default_rng(1).integers(0, hf_export.NUM_LABELS, size=batch).astype(np.int64)
+        for name in jobs:
+            out(f"  {name} training step{' (a process of its own)' if isolated else ''} ...")
+        batch_feeds = dict(feeds, labels=labels)
+        results = run_jobs(jobs, batch_feeds, min_runs=min_runs, max_seconds=max_seconds) if isolated else \
+            {name: in_process(job, batch_feeds, min_runs, max_seconds) for name, job in jobs.items()}
+    losses = {name: r["losses"] for name, r in results.items()}
+    out(f"  losses of {steps} steps: " + ", ".join(f"{name} {[round(x, 6) for x in v]}" for name, v in losses.items()))
+    check_training_agreement(losses, reference="torch-eager")
+    timings = [summarize(name, r["seconds"]) for name, r in results.items()]
+    by_name = {t.system: t.median_ms for t in timings}
     for t in timings:
-        t.vs_torch_eager = t.median_ms / eager
+        t.vs_torch_eager = t.median_ms / by_name["torch-eager"]
     for line in format_table(timings, ratio="vs_torch_eager", label="vs eager"):
         out("  " + line)
-    return {"batch": batch, "seq": seq, "compile_seconds": compile_seconds, "losses": losses,
-            "max_rel_loss_gap": max(gaps), "timings": [dataclasses.asdict(t) for t in timings],
-            "torch_eager_over_tvmdm": eager / timings[0].median_ms}
+    result = {"batch": batch, "seq": seq, "compile_seconds": compile_seconds, "losses": losses,
+              "timings": [dataclasses.asdict(t) for t in timings]}
+    if "tvmdm" in losses:
+        result["max_rel_loss_gap"] = max(abs(a - b) / abs(b) for a, b in zip(losses["tvmdm"], losses["torch-eager"]))
+        result["torch_eager_over_tvmdm"] = by_name["torch-eager"] / by_name["tvmdm"]
+    if "bf16" in reduced:  # the #26 comparison: PyTorch eager under bf16 autocast against tvmdm's bf16 step
+        result["torch_eager_bf16_over_tvmdm_bf16"] = by_name["torch-eager[bf16]"] / by_name["tvmdm[bf16]"]
+        out(f"  tvmdm[bf16] vs torch-eager[bf16] (autocast): {result['torch_eager_bf16_over_tvmdm_bf16']:.2f}x faster")
+    return result
 
 
 def data_movement(path: str, batch: int, seq: int, out=print) -> dict:
@@ -274,10 +290,11 @@ class Results:
 
 
 def run(size: str = "base", out_dir: str = "out/bench_hf", steps=("compile", "latency", "memory", "train",
-                                                                    "analyze"), out=print, sizes=None) -> dict:
+                                                                    "analyze"), out=print, sizes=None,
+        precisions=("fp32",), torch_compile: bool = False) -> dict:
     """The steps named, each result written to the JSON as it ends; ``sizes``: the (batch, seq) of the latency
-    and memory steps (default: the size's SIZES). Only the exports the steps read are made (the classifier's
-    for "train")."""
+    and memory steps (default: the size's SIZES); ``precisions`` and ``torch_compile``: the train step's
+    systems (train_step). Only the exports the steps read are made (the classifier's for "train")."""
     from tvmdm.models import hf_export
     from tvmdm.bench.machine import machine_info
     from tvmdm.core.target import num_cores
@@ -294,8 +311,8 @@ def run(size: str = "base", out_dir: str = "out/bench_hf", steps=("compile", "la
         "latency": lambda: {e: latencies(p, bert, sizes, out=out) for e, p in paths["bert"].items()},
         "memory": lambda: {f"{b}x{s}": run_memory(paths["bert"]["legacy"], bert, b, s, out_dir, out)
                            for b, s in sizes},
-        "train": lambda: {e: train_step(p, hf_export.tiny_model("bert-seqcls", size=size), batch, seq, out=out)
-                          for e, p in paths["bert-seqcls"].items()},
+        "train": lambda: {e: train_step(p, size, batch, seq, precisions=precisions, torch_compile=torch_compile,
+                                        out=out) for e, p in paths["bert-seqcls"].items()},
         "analyze": lambda: data_movement(paths["bert"]["legacy"], batch, seq, out),
     }
     for name in steps:
@@ -310,8 +327,13 @@ def main(argv=None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="base")
     parser.add_argument("--out", default="out/bench_hf", help="folder for the exports, artifacts and the JSON")
     parser.add_argument("--steps", default="compile,latency,memory,train,analyze")
+    parser.add_argument("--precision", default="fp32",
+                        help="the train step's precisions, e.g. fp32,bf16 (bf16: tvmdm[bf16] and torch-eager[bf16], "
+                             "PyTorch under bf16 autocast)")
+    parser.add_argument("--torch-compile", action="store_true", help="the train step under torch.compile too")
     args = parser.parse_args(argv)
-    run(args.size, args.out, tuple(s for s in args.steps.split(",") if s))
+    run(args.size, args.out, tuple(s for s in args.steps.split(",") if s),
+        precisions=tuple(p for p in args.precision.split(",") if p), torch_compile=args.torch_compile)
     return 0
 
 

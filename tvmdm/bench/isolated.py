@@ -24,7 +24,9 @@ import numpy as np
 class Job:
     """One system. Inference: ``kind`` "tvmdm" (spec: artifact), "onnxruntime" (model, threads, providers) or
     "torch" (model_name, model, threads, compile, device, precision). A training step: "tvmdm-train" (spec:
-    step, an exported TrainStep) or "torch-train" (as "torch", plus lr and autocast)."""
+    step, an exported TrainStep: its path, or in this process the TrainStep), "torch-train" (as "torch", plus lr and autocast) or "hf-train" (a transformers
+    classifier: family, size, threads, lr, autocast, compile); any of them ``loss_steps``: how many steps'
+    losses to return before timing (default 2)."""
     kind: str
     spec: dict
 
@@ -94,14 +96,40 @@ def _runner(kind: str, spec: dict, feeds: dict):
     if kind == "tvmdm-train":
         import tvmdm
 
-        step = tvmdm.load_train_step(spec["step"])
+        # an exported step's path, or (in_process) the TrainStep itself
+        step = tvmdm.load_train_step(spec["step"]) if isinstance(spec["step"], (str, os.PathLike)) else spec["step"]
         return lambda: step.step(feeds)
+    if kind == "hf-train":  # a transformers classifier of tvmdm.models.hf_export, as its export was made
+        import torch
+
+        from tvmdm.models import hf_export
+        from tvmdm.models.torch_reference import hf_classifier_step
+
+        torch.set_num_threads(spec["threads"])
+        model = hf_export.without_dropout(hf_export.tiny_model(spec["family"], size=spec["size"]))
+        inputs = {k: v for k, v in feeds.items() if k != "labels"}
+        return hf_classifier_step(model, inputs, feeds["labels"], spec["lr"], autocast=spec.get("autocast"),
+                                  compile=spec.get("compile", False))
     if kind == "torch-train":
         from tvmdm.models.torch_reference import torch_step
 
         inputs = {k: v for k, v in feeds.items() if k != "labels"}
         return torch_step(_torch_reference(spec), inputs, feeds["labels"], spec["lr"], autocast=spec.get("autocast"))
     raise ValueError(f"unknown benchmark job kind {kind!r}")
+
+
+def train_result(step, loss_steps: int, min_runs: int, max_seconds: float) -> dict:
+    """A training step's losses over ``loss_steps`` steps from the same start (the caller compares them), then
+    its seconds per step."""
+    from tvmdm.bench.timing import time_until_stable
+
+    return {"losses": [step() for _ in range(loss_steps)],
+            "seconds": time_until_stable(step, warmup=1, min_runs=min_runs, max_seconds=max_seconds)}
+
+
+def in_process(job: Job, feeds: dict, min_runs: int, max_seconds: float) -> dict:
+    """A training job's train_result in this process (no isolation: for checks of its losses, not timings)."""
+    return train_result(_runner(job.kind, job.spec, feeds), job.spec.get("loss_steps", 2), min_runs, max_seconds)
 
 
 def main(path: str) -> int:
@@ -115,9 +143,8 @@ def main(path: str) -> int:
     with np.load(os.path.join(job["dir"], "reference.npz")) as data:
         reference = [data[f"arr_{i}"] for i in range(len(data.files))]
     run = _runner(job["kind"], job["spec"], feeds)
-    if job["kind"].endswith("-train"):  # two steps from the same start (the caller compares the losses), then timed
-        result = {"losses": [run(), run()],
-                  "seconds": time_until_stable(run, warmup=1, min_runs=job["min_runs"], max_seconds=job["max_seconds"])}
+    if job["kind"].endswith("-train"):
+        result = train_result(run, job["spec"].get("loss_steps", 2), job["min_runs"], job["max_seconds"])
     else:
         relative = {name: job["max_rel_err"]} if job["max_rel_err"] is not None else {}
         try:

@@ -91,16 +91,18 @@ def training_jobs(model: str, proto, batch: int, seq: int, tmp: str, *, target: 
     return jobs, skipped, step, batch_feeds
 
 
-def check_training_agreement(losses: dict, rtol: float = 1e-3, reduced_rtol: float = 1e-2) -> dict:
-    """The first two losses of every system, from the same state, must agree with tvmdm's (the second checks
-    the update); systems in reduced precision (a "[bf16]" or "[fp16]" name) within ``reduced_rtol``."""
-    reference = losses["tvmdm"]
+def check_training_agreement(losses: dict, rtol: float = 1e-3, reduced_rtol: float = 1e-2,
+                             reference: str = "tvmdm") -> dict:
+    """The first losses of every system, from the same state, must agree with the ``reference`` system's (the
+    second on checks the update); systems in reduced precision (a "[bf16]" or "[fp16]" name) within
+    ``reduced_rtol``."""
+    reference_name, reference = reference, losses[reference]
     for name, pair in losses.items():
         tolerance = reduced_rtol if reduced_precision(name) else rtol
         for i, (got, want) in enumerate(zip(pair, reference)):
             if abs(got - want) > tolerance * abs(want):
-                raise AssertionError(f"{name} disagrees with tvmdm at training step {i + 1}: loss {got:.7g} vs "
-                                     f"{want:.7g}")
+                raise AssertionError(f"{name} disagrees with {reference_name} at training step {i + 1}: loss "
+                                     f"{got:.7g} vs {want:.7g}")
     return losses
 
 

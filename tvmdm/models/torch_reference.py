@@ -138,22 +138,49 @@ def torch_step(ref, feeds: dict, target: np.ndarray, lr: float, autocast: str | 
     """A PyTorch training step on ``ref``'s module (an HF twin of the ONNX model): returns step() -> loss.
     ``autocast``: "bf16" or "fp16": forward and loss under torch.autocast (PyTorch's mixed precision; fp16 with
     a GradScaler, as AMP is used on CUDA)."""
-    import contextlib
-
     import torch
 
     ref.module.train()
     optimizer = torch.optim.AdamW(ref.module.parameters(), lr=lr)
     inputs, target_t = ref.torch_inputs(feeds), torch.from_numpy(target).to(ref.device)
+
+    def loss_of_forward():
+        out = ref.forward(inputs)
+        return torch.nn.functional.mse_loss((out[0] if isinstance(out, tuple) else out).float(), target_t)
+
+    return _optimizer_step(loss_of_forward, optimizer, ref.device.type, autocast)
+
+
+def hf_classifier_step(model, feeds: dict, labels: np.ndarray, lr: float, autocast: str | None = None,
+                       compile: bool = False):
+    """A PyTorch training step on a transformers sequence classifier (its own cross-entropy on ``labels``),
+    AdamW(lr, weight decay 0.01: tvmdm.AdamW's default): returns step() -> loss. ``autocast`` as torch_step's;
+    ``compile``: the model through torch.compile first."""
+    import torch
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+    forward = torch.compile(model) if compile else model
+    inputs = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    labels_t = torch.from_numpy(labels)
+    return _optimizer_step(lambda: forward(**inputs, labels=labels_t).loss, optimizer, "cpu", autocast)
+
+
+def _optimizer_step(loss_of_forward, optimizer, device_type: str, autocast: str | None):
+    """step() -> loss: zero the gradients, ``loss_of_forward()`` under ``autocast`` ("bf16", "fp16" with a
+    GradScaler, or None), backward, the optimizer's step."""
+    import contextlib
+
+    import torch
+
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast)
-    context = (lambda: torch.autocast(ref.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
-    scaler = torch.amp.GradScaler(ref.device.type) if autocast == "fp16" else None
+    context = (lambda: torch.autocast(device_type, dtype=dtype)) if dtype else contextlib.nullcontext
+    scaler = torch.amp.GradScaler(device_type) if autocast == "fp16" else None
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
         with context():
-            out = ref.forward(inputs)
-            loss = torch.nn.functional.mse_loss((out[0] if isinstance(out, tuple) else out).float(), target_t)
+            loss = loss_of_forward()
         if scaler is None:
             loss.backward()
             optimizer.step()
