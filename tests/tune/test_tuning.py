@@ -156,6 +156,8 @@ def _free_port() -> int:
 
 
 def test_rpc_tracker_with_two_servers(tiny_layer, tmp_path):
+    import psutil
+
     port = _free_port()
     python = sys.executable
     log = open(tmp_path / "rpc.log", "w")
@@ -177,9 +179,15 @@ def test_rpc_tracker_with_two_servers(tiny_layer, tmp_path):
         measured = [ms for ms in summary["best_ms"].values() if np.isfinite(ms)]
         assert measured, summary  # the candidates ran on the RPC servers
     finally:
+        # the tracker and servers each run their sessions in a TVM popen worker, which outlives a terminated
+        # parent (3 processes of ~530 MB were left after every suite): end those too
+        workers = [w for p in procs if p.poll() is None for w in psutil.Process(p.pid).children(recursive=True)]
         for p in procs[::-1]:
             p.terminate()
             p.wait(timeout=30)
+        for worker in workers:
+            worker.terminate()
+        psutil.wait_procs(workers, timeout=10)
 
 
 def _wait_for_servers(port: int, key: str, count: int, timeout_s: float = 120) -> None:
