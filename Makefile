@@ -25,7 +25,7 @@ demo: $(VENV)/.core
 	$(BIN)/tvmdm demo
 
 # Two pytest-xdist workers (one per core of the CI VMs): most of the suite's time is single-threaded compiling,
-# so it ends in ~80 % of the serial time (2-core AMD EPYC VM: 21.4 min against 26); worksteal evens out the
+# so it ends sooner (2-core AMD EPYC VMs: 21-22 min, where serial runs took 23-26); worksteal evens out the
 # minute-long tests at the end.
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
