@@ -109,22 +109,23 @@ def schedule_int8_gemm_byte_pairs(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """vpmaddubsw's micro-kernel (BYTE_PAIRS, K in a saturation-free order): 4 rows x 2 vectors of 8 int32
     accumulators, 4 u8 activations broadcast per row (2 Zen 4 cores, [1024, 768] x [768, 3072]: 4 x 2 319
     GOP/s, 8 x 1 248, 4 x 3 308; onnxruntime's saturating kernel 317 with its quantization)."""
-    sch = Schedule(func)
-    n = int(sch.get(sch.get_loops(sch.get_sblock(INT8_GEMM_BLOCK))[-2]).extent)
-    vectors = 2 if n // BYTE_PAIRS.lanes % 2 == 0 else 1
-    return schedule_dot_gemm(func, INT8_GEMM_BLOCK, BYTE_PAIRS_INTRIN, None, BYTE_PAIRS.group, K_BLOCK,
-                             rows=_rows(func, 4), vectors=vectors, lanes=BYTE_PAIRS.lanes)
+    return _byte_pairs_kernel(func, BYTE_PAIRS_INTRIN, vectors=(2, 1))
 
 
 def schedule_int8_gemm_avx_vnni(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """AVX-VNNI's micro-kernel (BYTE_PAIRS in the stored order, vpdpbusd on ymm): 4 rows x 3 vectors of 8 int32
     accumulators where N allows (vpdpbusd accumulates in place: 12 accumulators, 3 weight vectors and the
     broadcast fill the 16 registers), else 4 x 2. Not yet measured: no AVX-VNNI machine among ours."""
+    return _byte_pairs_kernel(func, AVX_VNNI_INTRIN, vectors=(3, 2, 1))
+
+
+def _byte_pairs_kernel(func: tirx.PrimFunc, intrin: str, vectors) -> tirx.PrimFunc:
+    """schedule_dot_gemm over BYTE_PAIRS' [8, 4] tiles with ``intrin``: 4 rows (or fewer, see _rows) x the
+    first of ``vectors`` (largest first) that divides N's vectors."""
     sch = Schedule(func)
     n = int(sch.get(sch.get_loops(sch.get_sblock(INT8_GEMM_BLOCK))[-2]).extent)
-    vectors = tile_dividing(n // BYTE_PAIRS.lanes, [3, 2, 1])
-    return schedule_dot_gemm(func, INT8_GEMM_BLOCK, AVX_VNNI_INTRIN, None, BYTE_PAIRS.group, K_BLOCK,
-                             rows=_rows(func, 4), vectors=vectors, lanes=BYTE_PAIRS.lanes)
+    return schedule_dot_gemm(func, INT8_GEMM_BLOCK, intrin, None, BYTE_PAIRS.group, K_BLOCK, rows=_rows(func, 4),
+                             vectors=tile_dividing(n // BYTE_PAIRS.lanes, list(vectors)), lanes=BYTE_PAIRS.lanes)
 
 
 def schedule_reorder(func: tirx.PrimFunc) -> tirx.PrimFunc:

@@ -229,7 +229,9 @@ def train_step(path: str, model_size: str, batch: int, seq: int, *, precisions=(
             jobs[system] = Job("hf-train", dict(torch_spec, compile=compiled))
             for precision in reduced:
                 jobs[f"{system}[{precision}]"] = Job("hf-train", dict(torch_spec, compile=compiled, autocast=precision))
-        feeds = sample_feeds("bert-seqcls", hf_export.tiny_model("bert-seqcls", size=model_size), batch, seq)
+        # the vocabulary from the config, not from a model built only to read it (110M parameters at base)
+        feeds = hf_export.sample_inputs("bert-seqcls", batch=batch, seq=seq,
+                                        vocab=hf_export.config("bert-seqcls", model_size).vocab_size)
         labels = np.random.default_rng(1).integers(0, hf_export.NUM_LABELS, size=batch).astype(np.int64)
         for name in jobs:
             out(f"  {name} training step{' (a process of its own)' if isolated else ''} ...")

@@ -24,9 +24,9 @@ import numpy as np
 class Job:
     """One system. Inference: ``kind`` "tvmdm" (spec: artifact), "onnxruntime" (model, threads, providers) or
     "torch" (model_name, model, threads, compile, device, precision). A training step: "tvmdm-train" (spec:
-    step, an exported TrainStep: its path, or in this process the TrainStep), "torch-train" (as "torch", plus lr and autocast) or "hf-train" (a transformers
-    classifier: family, size, threads, lr, autocast, compile); any of them ``loss_steps``: how many steps'
-    losses to return before timing (default 2)."""
+    step, an exported TrainStep: its path, or in this process the TrainStep), "torch-train" (as "torch", plus
+    lr and autocast) or "hf-train" (a transformers classifier: family, size, threads, lr, autocast, compile);
+    any of them ``loss_steps``: how many steps' losses to return before timing (default 2)."""
     kind: str
     spec: dict
 

@@ -96,12 +96,11 @@ def check_training_agreement(losses: dict, rtol: float = 1e-3, reduced_rtol: flo
     """The first losses of every system, from the same state, must agree with the ``reference`` system's (the
     second on checks the update); systems in reduced precision (a "[bf16]" or "[fp16]" name) within
     ``reduced_rtol``."""
-    reference_name, reference = reference, losses[reference]
     for name, pair in losses.items():
         tolerance = reduced_rtol if reduced_precision(name) else rtol
-        for i, (got, want) in enumerate(zip(pair, reference)):
+        for i, (got, want) in enumerate(zip(pair, losses[reference])):
             if abs(got - want) > tolerance * abs(want):
-                raise AssertionError(f"{name} disagrees with {reference_name} at training step {i + 1}: loss "
+                raise AssertionError(f"{name} disagrees with {reference} at training step {i + 1}: loss "
                                      f"{got:.7g} vs {want:.7g}")
     return losses
 
