@@ -47,6 +47,10 @@ TILE_BYTES = 64  # bytes per tile row: 32 bf16 or 16 fp32
 BLOCK = 2 * TILE_ROWS  # columns of a block (2 accumulator tiles wide), and its rows where they divide by 32
 K_STEP = TILE_BYTES // 2  # bf16 values of K per activation tile row
 GROUPS = (4, 2, 1)  # blocks of rows per unit, the largest that divides the rows
+# Symbolic rows: the weight columns one unit covers (panel_blocks). The units walk every row block under one
+# panel, so it must stay in L2 (2 MiB per Sapphire Rapids core): one 32-column block per unit re-read all the
+# rows per block (BERT-base FFN down at 512 rows: 1.84 ms, against 0.97 with this panel and 0.91 static rows).
+PANEL_BYTES = 1_200_000
 AMX_ATTR = "tvmdm.amx"  # a kernel on the tile units (not emulated)
 EMULATE = False  # tests: every tile instruction as the loops it stands for (see amx_intrin), on any CPU
 
@@ -70,6 +74,10 @@ class TileOp:
     @property
     def a_bytes(self) -> int:
         return 2 if self.a_dtype == "uint16" else 1
+
+    @property
+    def w_bytes(self) -> int:
+        return 2 if self.w_dtype == "uint16" else 1
 
     @property
     def k_step(self) -> int:  # K per activation tile row (64 bytes)
@@ -101,26 +109,28 @@ def _intrin(name: str, *args):
 
 
 @functools.lru_cache(maxsize=None)
-def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = False, op: TileOp = BF16_TILES) -> str:
+def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = False, op: TileOp = BF16_TILES,
+               col_blocks: int = 1) -> str:
     """Register (once) and name the tensor intrinsic of one unit: ``groups`` blocks of ``block_rows`` (32, or
-    16: one activation tile and two accumulators) x 32 columns over K = ``k`` (a multiple of ``op.k_step``) with
-    ``op``'s tile product. ``emulate``: each tile instruction replaced by the loops it stands for (what the
-    tile units compute, on any CPU): tests check the kernels' tiles and addresses with it where there is no
-    AMX."""
-    rows = block_rows * groups
+    16: one activation tile and two accumulators) x ``col_blocks`` blocks of 32 columns over K = ``k`` (a
+    multiple of ``op.k_step``) with ``op``'s tile product, the tile configuration loaded once. ``emulate``:
+    each tile instruction replaced by the loops it stands for (what the tile units compute, on any CPU): tests
+    check the kernels' tiles and addresses with it where there is no AMX."""
+    rows, cols = block_rows * groups, BLOCK * col_blocks
     a_count = block_rows // TILE_ROWS  # activation tiles per block; accumulators: 2 per activation tile
     half, group, k_step = k // op.group, op.group, op.k_step
     words = tile_config_words()
-    name = f"tvmdm_amx_{op.instruction}_{block_rows}x{groups}x{BLOCK}x{k}" + ("_emulated" if emulate else "")
+    name = f"tvmdm_amx_{op.instruction}_{block_rows}x{groups}x{BLOCK}x{col_blocks}x{k}" + (
+        "_emulated" if emulate else "")
 
     @T.prim_func(s_tir=True)
     def desc(a: T.Buffer((rows, k), op.a_dtype, offset_factor=1),
-             w: T.Buffer((2, half, LANES, group), op.w_dtype, offset_factor=1),
-             c: T.Buffer((rows, BLOCK), op.acc_dtype, offset_factor=1, scope="local")):
+             w: T.Buffer((2 * col_blocks, half, LANES, group), op.w_dtype, offset_factor=1),
+             c: T.Buffer((rows, cols), op.acc_dtype, offset_factor=1, scope="local")):
         with T.sblock("root"):
-            T.reads(c[0:rows, 0:BLOCK], a[0:rows, 0:k], w[0:2, 0:half, 0:LANES, 0:group])
-            T.writes(c[0:rows, 0:BLOCK])
-            for i, j, r in T.grid(rows, BLOCK, k):
+            T.reads(c[0:rows, 0:cols], a[0:rows, 0:k], w[0:2 * col_blocks, 0:half, 0:LANES, 0:group])
+            T.writes(c[0:rows, 0:cols])
+            for i, j, r in T.grid(rows, cols, k):
                 with T.sblock("update"):
                     vi, vj, vr = T.axis.remap("SSR", [i, j, r])
                     c[vi, vj] = c[vi, vj] + op.value(a[vi, vr]) * op.value(
@@ -132,13 +142,13 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
         w_stride = T.int32()
         c_stride = T.int32()
         a = T.match_buffer(a_handle, (rows, k), op.a_dtype, offset_factor=1, strides=[a_stride, 1])
-        w = T.match_buffer(w_handle, (2, half, LANES, group), op.w_dtype, offset_factor=1,
+        w = T.match_buffer(w_handle, (2 * col_blocks, half, LANES, group), op.w_dtype, offset_factor=1,
                            strides=[w_stride, LANES * group, group, 1])
-        c = T.match_buffer(c_handle, (rows, BLOCK), op.acc_dtype, offset_factor=1, scope="local",
+        c = T.match_buffer(c_handle, (rows, cols), op.acc_dtype, offset_factor=1, scope="local",
                            strides=[c_stride, 1])
         with T.sblock("root"):
-            T.reads(c[0:rows, 0:BLOCK], a[0:rows, 0:k], w[0:2, 0:half, 0:LANES, 0:group])
-            T.writes(c[0:rows, 0:BLOCK])
+            T.reads(c[0:rows, 0:cols], a[0:rows, 0:k], w[0:2 * col_blocks, 0:half, 0:LANES, 0:group])
+            T.writes(c[0:rows, 0:cols])
             # emulate: the same tiles in local buffers, each tile instruction as the loops it stands for
             acc_tiles = T.decl_buffer((2 * a_count, TILE_ROWS, LANES), op.acc_dtype, scope="local")
             a_tiles = T.decl_buffer((a_count, TILE_ROWS, k_step), op.a_dtype, scope="local")
@@ -152,31 +162,33 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
                 config[3] = T.uint64(words[3])  # tiles 4-7
                 config[6] = T.uint64(words[6])  # rows, tiles 0-7
                 T.evaluate(_intrin("ldtilecfg", T.address_of(config[0])))
-            for g in range(groups):
+            for block in range(groups * col_blocks):
+                row0, col0 = block // col_blocks * block_rows, block % col_blocks * BLOCK  # its first row, column
                 for t in T.unroll(2 * a_count):  # accumulator t: block row t // 2, column t % 2
                     if emulate:
                         for r, x in T.grid(TILE_ROWS, LANES):
-                            acc_tiles[t, r, x] = c[g * block_rows + t // 2 * TILE_ROWS + r, t % 2 * LANES + x]
+                            acc_tiles[t, r, x] = c[row0 + t // 2 * TILE_ROWS + r, col0 + t % 2 * LANES + x]
                     else:
                         T.evaluate(_intrin("tileloadd64", T.int8(t), c.access_ptr(
-                            "r", offset=(g * block_rows + t // 2 * TILE_ROWS) * c_stride + t % 2 * LANES),
+                            "r", offset=(row0 + t // 2 * TILE_ROWS) * c_stride + col0 + t % 2 * LANES),
                             T.int64(c_stride * 4)))
                 for step in range(k // k_step):
                     for t in T.unroll(a_count):  # activation rows t * 16.., K step * 32..
                         if emulate:
                             for r, x in T.grid(TILE_ROWS, k_step):
-                                a_tiles[t, r, x] = a[g * block_rows + t * TILE_ROWS + r, step * k_step + x]
+                                a_tiles[t, r, x] = a[row0 + t * TILE_ROWS + r, step * k_step + x]
                         else:
                             T.evaluate(_intrin("tileloadd64", T.int8(A_TILES[0] + t), a.access_ptr(
-                                "r", offset=(g * block_rows + t * TILE_ROWS) * a_stride + step * k_step),
+                                "r", offset=(row0 + t * TILE_ROWS) * a_stride + step * k_step),
                                 T.int64(a_stride * op.a_bytes)))
                     for t in T.unroll(2):  # weight columns t * 16.., k groups step * 16..
                         if emulate:
                             for r, x, p in T.grid(TILE_ROWS, LANES, group):
-                                b_tiles[t, r, x, p] = w[t, step * TILE_ROWS + r, x, p]
+                                b_tiles[t, r, x, p] = w[col0 // LANES + t, step * TILE_ROWS + r, x, p]
                         else:
                             T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t), w.access_ptr(
-                                "r", offset=t * w_stride + step * TILE_ROWS * LANES * group), T.int64(TILE_BYTES)))
+                                "r", offset=(col0 // LANES + t) * w_stride + step * TILE_ROWS * LANES * group),
+                                T.int64(TILE_BYTES)))
                     for t in T.unroll(2 * a_count):
                         if emulate:  # C[m, n] += sum over groups j of A[m, group * j + p] * B[j, n, p]
                             for m, x, j, p in T.grid(TILE_ROWS, LANES, TILE_ROWS, group):
@@ -188,10 +200,10 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
                 for t in T.unroll(2 * a_count):
                     if emulate:
                         for r, x in T.grid(TILE_ROWS, LANES):
-                            c[g * block_rows + t // 2 * TILE_ROWS + r, t % 2 * LANES + x] = acc_tiles[t, r, x]
+                            c[row0 + t // 2 * TILE_ROWS + r, col0 + t % 2 * LANES + x] = acc_tiles[t, r, x]
                     else:
                         T.evaluate(_intrin("tilestored64", T.int8(t), c.access_ptr(
-                            "w", offset=(g * block_rows + t // 2 * TILE_ROWS) * c_stride + t % 2 * LANES),
+                            "w", offset=(row0 + t // 2 * TILE_ROWS) * c_stride + col0 + t % 2 * LANES),
                             T.int64(c_stride * 4)))
             if not emulate:
                 T.evaluate(_intrin("tilerelease"))
@@ -206,6 +218,14 @@ def tile_block_rows(rows: int, n: int, k: int, k_step: int = K_STEP) -> int | No
     if n % BLOCK or k % k_step:
         return None
     return next((r for r in (BLOCK, TILE_ROWS) if rows % r == 0), None)
+
+
+def panel_blocks(n: int, k: int, op: TileOp = BF16_TILES) -> int:
+    """Column blocks per unit for symbolic rows: the most that divide N/32 with their weights (32 columns x K
+    each) within PANEL_BYTES, so that the panel stays in the core's L2 while its units walk every row block."""
+    blocks = n // BLOCK
+    fits = [c for c in range(1, blocks + 1) if blocks % c == 0 and c * BLOCK * k * op.w_bytes <= PANEL_BYTES]
+    return max(fits, default=1)
 
 
 def _unit_rows(sch, m, n_extent: int, k_extent: int, k_step: int) -> tuple[int, int] | None:
@@ -244,9 +264,12 @@ def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False, op: TileOp = B
     if static_rows:
         sch.reorder(*outer, mo, no, mi, ni, k)
         unit = sch.fuse(*outer, mo, no)
-    else:  # one block per unit: consecutive units share the weight panel (in L1) and walk the rows (in L2)
-        sch.reorder(no, *outer, mo, mi, ni, k)
-        unit = sch.fuse(no, *outer, mo)
+    else:  # one block of rows per unit, over a panel of columns; units walk the rows under one panel
+        col_blocks = panel_blocks(n_extent, k_extent, op)
+        panel, nc = sch.split(no, [None, col_blocks])
+        sch.reorder(panel, *outer, mo, mi, nc, ni, k)
+        unit = sch.fuse(panel, *outer, mo)
+        ni = sch.fuse(nc, ni)
     sch.parallel(unit)
     if static_rows:
         acc = sch.cache_write(gemm, 0, "local")
@@ -259,7 +282,7 @@ def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False, op: TileOp = B
             sch.reverse_compute_at(block, unit)
     init = sch.decompose_reduction(gemm, mi)
     sch.vectorize(sch.get_loops(init)[-1])
-    sch.tensorize(mi, amx_intrin(k_extent, groups, rows, emulate, op))
+    sch.tensorize(mi, amx_intrin(k_extent, groups, rows, emulate, op, 1 if static_rows else col_blocks))
     if static_rows:
         epilogue_into_tile(sch, acc, unit, LANES)
     else:

@@ -74,11 +74,14 @@ def test_emulated_tiles_match_numpy(lead, k, n):
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("batch, seq", [(2, 5), (1, 32), (3, 40)])
-def test_emulated_tiles_of_symbolic_rows_match_numpy(batch, seq):
+@pytest.mark.parametrize("batch, seq, n, panel_bytes", [(2, 5, 64, amx.PANEL_BYTES), (1, 32, 64, amx.PANEL_BYTES),
+                                                        (3, 40, 192, 3 * 32 * 64 * 2), (2, 33, 96, 1)])
+def test_emulated_tiles_of_symbolic_rows_match_numpy(batch, seq, n, panel_bytes, monkeypatch):
     # one module for every (batch, seq): the operand comes with its rows padded to whole 32-row blocks
-    # (to_bf16_func), the rows past seq are computed and never written out
-    k, n = 64, 64
+    # (to_bf16_func), the rows past seq are computed and never written out; units cover the weight columns
+    # in panels (all of them, 3 of 6 blocks, one block)
+    monkeypatch.setattr(amx, "PANEL_BYTES", panel_bytes)
+    k = 64
     lead = (tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("seq", "int64"))
     scheduled = amx.schedule_amx_gemm(gemm_func(lead, k, n).with_attr("global_symbol", "main"), emulate=True)
     assert scheduled is not None
@@ -92,6 +95,16 @@ def test_emulated_tiles_of_symbolic_rows_match_numpy(batch, seq):
     lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(packed), out)
     ref = _value(x[:, :seq]).astype(np.float64) @ _value(w).astype(np.float64)
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_symbolic_rows_take_the_widest_weight_panel_that_fits_the_panel_bytes():
+    # BERT-base (n, k): FFN down's K = 3072 takes 6 blocks of 32 columns (1.18 MB of bf16), the output
+    # projection all 24; int8 weights take half the bytes
+    assert amx.panel_blocks(768, 3072) == 6
+    assert amx.panel_blocks(768, 768) == 24
+    assert amx.panel_blocks(3072, 768) == 24  # FFN up: 24 of its 96 blocks
+    assert amx.panel_blocks(768, 3072, amx.INT8_TILES) == 12
+    assert amx.panel_blocks(64, 10 ** 9) == 1  # one block when none fits
 
 
 def test_shapes_off_the_tiles_are_left_to_the_next_rule():
