@@ -230,7 +230,7 @@ def panel_blocks(n: int, k: int, op: TileOp = BF16_TILES) -> int:
 
 def _unit_rows(sch, m, n_extent: int, k_extent: int, k_step: int) -> tuple[int, int] | None:
     """(rows of a block, blocks per unit) for the row loop ``m``; None where whole tiles do not fit. Symbolic
-    rows come padded to whole blocks (tvmdm.transform.kernels.BF16_ROW_PAD): one block per unit."""
+    rows come padded to whole blocks (tvmdm.transform.kernels.TILE_ROW_PAD): one block per unit."""
     extent = sch.get(m).extent
     if not isinstance(extent, tirx.IntImm):
         analyzer = tvm.sym.Analyzer()
@@ -323,7 +323,3 @@ def uses_amx(mod: tvm.IRModule) -> bool:
     return any(isinstance(f, tirx.PrimFunc) and f.attrs and bool(f.attrs.get(AMX_ATTR, False))
                for _, f in mod.functions_items())
 
-
-def has_amx_int8(target: tvm.target.Target) -> bool:
-    """Whether ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has the AMX-INT8 tile units."""
-    return cpu_has(target, "amx-int8")

@@ -30,13 +30,12 @@ from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.script import tirx as T
 
 from schedules import amx
-from schedules.amx import has_amx_int8
 from schedules.bf16 import register_dot_intrin, schedule_dot_gemm
 from schedules.default import inline_elementwise, tile_dividing
 from schedules.dpbf16ps import llvm_dot_function
 from schedules.packed import has_block
 from schedules.rule import DOES_NOT_FIT, FLOPS_ATTR, ScheduleRule
-from tvmdm.core.target import has_avx_vnni, has_int8_dot
+from tvmdm.core.target import has_amx_int8, has_avx_vnni, has_int8_dot
 from tvmdm.transform.int8_kernels import BYTE_PAIRS, INT8_GEMM_BLOCK, REORDER_BLOCK, VNNI, WIDE
 
 INTRIN = "tvmdm_dot_16x4_u8s8"

@@ -21,7 +21,7 @@ from tvmdm.core.precision import BF16_MAX_REL_ERR
 from tvmdm.core.target import attention_on_matrix_units, has_int8_dot, make_target
 from tvmdm.models import BertConfig, build_encoder_layer
 from tvmdm.runtime import amx as amx_runtime
-from tvmdm.transform.kernels import BF16_ROW_PAD, gemm_func
+from tvmdm.transform.kernels import TILE_ROW_PAD, gemm_func
 
 # hidden and FFN whole 32-column blocks, 64 rows in all; heads of 32 and 32 keys: the attention's contractions
 # fill whole tiles too
@@ -87,7 +87,7 @@ def test_emulated_tiles_of_symbolic_rows_match_numpy(batch, seq, n, panel_bytes,
     assert scheduled is not None
     lib = tvm.compile(tvm.IRModule({"main": scheduled}), target=make_target("llvm"))
     rng = np.random.default_rng(0)
-    padded = -(-seq // BF16_ROW_PAD) * BF16_ROW_PAD
+    padded = -(-seq // TILE_ROW_PAD) * TILE_ROW_PAD
     x = _bits(rng.standard_normal((batch, padded, k)))
     w = _bits(rng.standard_normal((k, n)))
     packed = w.reshape(k // 2, 2, n // 16, 16).transpose(2, 0, 3, 1).copy()
@@ -258,8 +258,10 @@ def test_int8_contractions_on_amx_int8_tiles_for_sapphire_rapids_and_emulated_he
     assert script.index("T.parallel(") < script.index("llvm.x86.ldtilecfg") < script.index("llvm.x86.tdpbusd")
     assert re.search(r"T\.Buffer\(\(T\.int64\(4\), T\.int64\(32\), T\.int64\(16\), T\.int64\(4\)\), \"int8\"\)",
                      script)
-    # symbolic rows do not fill whole tiles: vpdpbusd
-    assert "tdpbusd" not in asm_of(tvmdm.compile(model, target=SPR.target(), tuning_logs=None))
+    # symbolic rows: the kernel that quantizes the activations writes them padded to whole 32-row blocks
+    symbolic = tvmdm.compile(model, target=SPR.target(), tuning_logs=None)
+    assert "tdpbusd" in asm_of(symbolic) and symbolic.uses_amx
+    assert [k for k in symbolic.kernels if "quantize" in k and "pad_rows" in k], symbolic.kernels
     if not has_int8_dot(make_target("llvm")):
         pytest.skip("the emulated tiles read vpdpbusd's packing, which the rewrite picks only for a CPU with "
                     "AVX512-VNNI; this one has none")
@@ -269,3 +271,31 @@ def test_int8_contractions_on_amx_int8_tiles_for_sapphire_rapids_and_emulated_he
     x = {"x": np.random.default_rng(0).standard_normal((2, 32, 128)).astype(np.float32)}
     result = emulated.check(x, atol=1e-5, rtol=1e-5)
     assert result.ok, str(result)
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (2, 33), (3, 64)])
+def test_emulated_int8_tiles_of_symbolic_rows_match_numpy(batch, seq):
+    # u8 activations padded to whole 32-row blocks (pad_rows_func) read in place by tdpbusd, the zero point's
+    # column-sum term after; exact integers
+    from tvmdm.transform.int8_kernels import VNNI, column_sums, int8_gemm_func
+    from tvmdm.transform.kernels import pad_rows_func
+
+    k, n = 128, 96
+    lead = (tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("seq", "int64"))
+    func = int8_gemm_func(lead, k, n, VNNI, padded=True).with_attr("global_symbol", "main")
+    scheduled = amx.schedule_amx_gemm(func, emulate=True, op=amx.INT8_TILES)
+    assert scheduled is not None
+    gemm = tvm.compile(tvm.IRModule({"main": scheduled}), target=make_target("llvm"))["main"]
+    pad = tvm.compile(tvm.IRModule({"main": pad_rows_func(lead + (k,), "uint8").with_attr("global_symbol", "main")}),
+                      target=make_target("llvm"))["main"]
+    rng = np.random.default_rng(seq)
+    x = rng.integers(0, 256, (batch, seq, k)).astype(np.uint8)
+    w = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    zero_point = np.uint8(117)
+    padded = tvm.runtime.tensor(np.zeros((batch, -(-seq // TILE_ROW_PAD) * TILE_ROW_PAD, k), np.uint8))
+    pad(tvm.runtime.tensor(x), padded)
+    assert (padded.numpy()[:, seq:] == x[:, -1:]).all()  # the rows past the end: copies of the last
+    out = tvm.runtime.tensor(np.zeros((batch, seq, n), np.int32))
+    gemm(padded, tvm.runtime.tensor(zero_point), tvm.runtime.tensor(VNNI.pack(w)),
+         tvm.runtime.tensor(column_sums(w)), out)
+    np.testing.assert_array_equal(out.numpy(), (x.astype(np.int64) - zero_point) @ w.astype(np.int64))

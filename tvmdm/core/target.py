@@ -172,6 +172,11 @@ def has_int8_dot(target: tvm.target.Target) -> bool:
     return cpu_has(target, "avx512vnni")
 
 
+def has_amx_int8(target: tvm.target.Target) -> bool:
+    """Whether ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has the AMX-INT8 tile units."""
+    return cpu_has(target, "amx-int8")
+
+
 def has_avx_vnni(target: tvm.target.Target) -> bool:
     """Whether ``target``'s CPU has AVX-VNNI's vpdpbusd on 256-bit registers but not AVX512-VNNI's (Alder Lake
     and the client parts after it, which have no AVX-512)."""

@@ -23,7 +23,7 @@ import tvm
 from tvm import relax, tirx
 
 from tvmdm.core.options import Options
-from tvmdm.core.target import has_avx_vnni, has_int8_dot
+from tvmdm.core.target import has_amx_int8, has_avx_vnni, has_int8_dot
 from tvmdm.transform.fast_math import fast_math
 from tvmdm.transform.graph_rewrites import paper_graph_rewrites
 from tvmdm.transform.index_guards import guard_gathers
@@ -106,7 +106,8 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
     passes = [guard_gathers()] if not options.training else []
     # quantized models: integer matmuls (CPUs), DynamicQuantizeLinear's max / min in parallel (nothing to do in
     # other models)
-    passes += [int8_contractions(vnni=has_int8_dot(options.target), avx_vnni=has_avx_vnni(options.target))] \
+    passes += [int8_contractions(vnni=has_int8_dot(options.target), avx_vnni=has_avx_vnni(options.target),
+                                 tiles=has_amx_int8(options.target))] \
         if options.on_cpu else []
     passes.append(rows_then_whole())
     passes += [paper_graph_rewrites(options.layout, options.batched_attention)] if paper else []

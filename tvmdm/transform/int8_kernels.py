@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 from tvm import te, tirx
 
-from tvmdm.transform.kernels import clamped_rows, int64_dims, lead_dims, private_func, row_tiles
+from tvmdm.transform.kernels import int64_dims, lead_dims, private_func, row_tiles, tile_operand
 
 INT8_GEMM_BLOCK = "int8_gemm"
 INT8_ZERO_POINT_BLOCK = "int8_zero_point"
@@ -72,13 +72,15 @@ def column_sums(w: np.ndarray) -> np.ndarray:
     return w.astype(np.int32).sum(axis=0, dtype=np.int32)
 
 
-def int8_gemm_func(lead, k: int, n: int, packing: Int8Packing = VNNI) -> tirx.PrimFunc:
+def int8_gemm_func(lead, k: int, n: int, packing: Int8Packing = VNNI, padded: bool = False) -> tirx.PrimFunc:
     """C[lead..., N] (int32) = sum_k (a[lead..., k] - zero_point) * W[k, n] from a (uint8 values in the
     packing's activation dtype), its zero point (a uint8 scalar), W packed as ``packing`` says and W's column
-    sums (int32 [N]). Symbolic rows are computed in whole tiles (kernels.row_tiles)."""
+    sums (int32 [N]). Symbolic rows are computed in whole tiles (kernels.row_tiles); ``padded``: a holds them
+    padded to whole tiles of TILE_ROW_PAD (kernels.pad_rows_func), read in place by the AMX tiles."""
     lead = lead_dims(lead)
     lanes, group = packing.lanes, packing.group
-    a = te.placeholder(lead + int64_dims((k,)), packing.activations, name="a")
+    a_lead, operand_rows, pad = tile_operand(lead, padded)
+    a = te.placeholder(a_lead + int64_dims((k,)), packing.activations, name="a")
     zero_point = te.placeholder((), "uint8", name="zero_point")
     w = te.placeholder(int64_dims(packing.shape(k, n)), packing.dtype, name="w")
     sums = te.placeholder(int64_dims((n,)), "int32", name="column_sums")
@@ -86,12 +88,12 @@ def int8_gemm_func(lead, k: int, n: int, packing: Int8Packing = VNNI) -> tirx.Pr
 
     def element(*idx):
         *lead_idx, col = idx
-        return te.sum(a(*clamped_rows(lead_idx, lead), r).astype("int32") *
+        return te.sum(a(*operand_rows(lead_idx), r).astype("int32") *
                       w(col // lanes, r // group, col % lanes, r % group).astype("int32"), axis=r)
 
     def finish(acc, idx):
         return acc(*idx) - zero_point().astype("int32") * sums(idx[-1])
 
-    out = row_tiles(lead, n, element, INT8_GEMM_BLOCK, INT8_ZERO_POINT_BLOCK, finish)
+    out = row_tiles(lead, n, element, INT8_GEMM_BLOCK, INT8_ZERO_POINT_BLOCK, finish, pad)
     # the dequantize (scale multiply) and bias / GELU / residual epilogues fuse after it
     return private_func(te.create_prim_func([a, zero_point, w, sums, out])).with_attr("op_pattern", 4)

@@ -20,9 +20,9 @@ LANES = 16  # fp32 accumulators per vdpbf16ps
 PAIR = 2  # bf16 values per accumulator per vdpbf16ps
 BITS = "uint16"
 ROW_PAD = 8  # symbolic rows are computed in whole tiles of this many (a multiple of schedules.packed.ROWS)
-# bf16 operands of symbolic rows are converted into whole tiles of this many (the AMX block rows,
-# schedules.amx.BLOCK), so that the tile loads never read past them
-BF16_ROW_PAD = 32
+# operands of symbolic rows that the AMX tiles read (bf16 bits; int8 activations on AMX-INT8) come padded to
+# whole tiles of this many (the AMX block rows, schedules.amx.BLOCK), so that the tile loads never read past them
+TILE_ROW_PAD = 32
 FP32_GEMM_BLOCK = "packed_gemm"  # fp32 contraction on packed weights (schedules.packed)
 FP32_PACK_BLOCK = "pack_weight"  # its weight packing
 TRANSPOSED_ROWS_BLOCK = "transpose_rows"  # X^T of its weight gradients
@@ -89,7 +89,7 @@ def lead_dims(lead) -> tuple:
 
 def to_bf16_func(shape) -> tirx.PrimFunc:
     """x (fp32) -> its bf16 bits. Symbolic rows (the last leading dim): the output holds them padded to whole
-    tiles of BF16_ROW_PAD (padded_rows), the rows past the end copies of the last one, so that a contraction
+    tiles of TILE_ROW_PAD (padded_rows), the rows past the end copies of the last one, so that a contraction
     reads whole tiles of it in place (gemm_func)."""
     *lead, k = shape
     lead = lead_dims(lead)
@@ -99,13 +99,34 @@ def to_bf16_func(shape) -> tirx.PrimFunc:
     return private_func(te.create_prim_func([x, out]))
 
 
+def pad_rows_func(shape, dtype: str) -> tirx.PrimFunc:
+    """x [lead..., rows, K] of symbolic rows -> x with its rows padded to whole tiles of TILE_ROW_PAD, the rows
+    past the end copies of the last one (what to_bf16_func writes, for operands that need no conversion: int8
+    activations). Injective, so the element-wise kernel producing x (a quantization) fuses into it."""
+    *lead, k = shape
+    lead = lead_dims(lead)
+    x = te.placeholder(lead + int64_dims((k,)), dtype, name="x")
+    out = te.compute(converted_shape(lead + int64_dims((k,))), lambda *i: x(*clamped_rows(i[:-1], lead), i[-1]),
+                     name="pad_rows")
+    return private_func(te.create_prim_func([x, out])).with_attr("op_pattern", 2)
+
+
+def tile_operand(lead, padded: bool):
+    """(the leading dims of a contraction's left operand, the operand's index of an output row, the rows of a
+    tile) for a contraction of rows ``lead``: read in place from rows padded to whole tiles of TILE_ROW_PAD
+    where ``padded`` and the rows are symbolic (to_bf16_func, pad_rows_func), else through clamped_rows."""
+    if not padded or isinstance(lead[-1], tirx.IntImm):
+        return lead, lambda lead_idx: clamped_rows(lead_idx, lead), ROW_PAD
+    return lead[:-1] + (tirx.Var("rows_padded", "int64"),), list, TILE_ROW_PAD
+
+
 def converted_shape(shape) -> list:
     """The shape of x's bf16 bits (to_bf16_func) for x of ``shape``: symbolic rows (the last leading dim) padded
-    to whole tiles of BF16_ROW_PAD."""
+    to whole tiles of TILE_ROW_PAD."""
     *lead, k = shape
     if all(isinstance(d, (int, tirx.IntImm)) for d in lead):
         return list(shape)
-    return [*lead[:-1], padded_rows(lead[-1], BF16_ROW_PAD), k]
+    return [*lead[:-1], padded_rows(lead[-1], TILE_ROW_PAD), k]
 
 
 def padded_rows(rows, pad: int = ROW_PAD):
@@ -143,20 +164,18 @@ def gemm_func(lead, k: int, n: int, batch: int = 0, packing: Packing = BF16) -> 
     contractions: attention)."""
     lanes, pair, decode = packing.lanes, packing.pair, packing.decode
     lead = lead_dims(lead)
-    padded = packing.converts and not isinstance(lead[-1], tirx.IntImm)
-    # converted symbolic rows come padded (to_bf16_func): read in place, whole tiles of BF16_ROW_PAD
-    a_lead = lead[:-1] + (tirx.Var("rows_padded", "int64"),) if padded else lead
+    # converted symbolic rows come padded (to_bf16_func): read in place, whole tiles of TILE_ROW_PAD
+    a_lead, operand_rows, pad = tile_operand(lead, packing.converts)
     a = te.placeholder(a_lead + int64_dims((k,)), packing.dtype, name="a")
     w = te.placeholder(lead[:batch] + int64_dims(packed_shape(k, n, packing)), packing.dtype, name="w")
     r = te.reduce_axis((tirx.IntImm("int64", 0), tirx.IntImm("int64", k)), name="k")
 
     def element(*idx):
         *lead_idx, col = idx
-        rows = list(lead_idx) if padded else clamped_rows(lead_idx, lead)
-        return te.sum(decode(a(*rows, r)) *
+        return te.sum(decode(a(*operand_rows(lead_idx), r)) *
                       decode(w(*lead_idx[:batch], col // lanes, r // pair, col % lanes, r % pair)), axis=r)
 
-    out = row_tiles(lead, n, element, packing.block, pad=BF16_ROW_PAD if padded else ROW_PAD)
+    out = row_tiles(lead, n, element, packing.block, pad=pad)
     # A contraction with element-wise epilogues: FuseOps may fuse bias / GELU / residual after it.
     return private_func(te.create_prim_func([a, w, out])).with_attr("op_pattern", 4)
 

@@ -37,6 +37,7 @@ from tvm import relax, tirx
 
 from tvmdm.transform.int8_kernels import (BYTE_PAIRS, VNNI, WIDE, Int8Packing, column_sums, int8_gemm_func,
                                           reorder_func)
+from tvmdm.transform.kernels import converted_shape, pad_rows_func
 from tvmdm.transform.saturation_free import saturation_free_order
 from tvmdm.transform.ir import bindings_of, call_op, function_pass, rewritten
 
@@ -125,14 +126,17 @@ def _plan(func: relax.Function, packing: Int8Packing) -> dict:
     return targets
 
 
-def int8_contractions(vnni: bool = True, avx_vnni: bool = False) -> tvm.transform.Pass:
+def int8_contractions(vnni: bool = True, avx_vnni: bool = False, tiles: bool = False) -> tvm.transform.Pass:
     """matmul(x_q - x_zp, W - 0) of a quantized model (or its QDQ form) -> int8_gemm(x_q, x_zp, pack(W), colsum(W))
     in every Relax function; see the module doc. ``vnni=False`` (a CPU without AVX512-VNNI): with ``avx_vnni``
     (AVX-VNNI: vpdpbusd on 256-bit registers) the weights packed as BYTE_PAIRS in their own order, which
     vpdpbusd reads without saturating; without it (AVX2) packed for vpmaddubsw with K in a saturation-free
     order (tvmdm.transform.saturation_free; the activations taken in that order), or for vpmaddwd (int16 pairs,
-    exact, slower) where no such order is found. A model without such contractions is returned unchanged."""
-    return function_pass("tvmdm.Int8Contractions", lambda mod, name: _rewrite_function(mod, name, vnni, avx_vnni))
+    exact, slower) where no such order is found. ``tiles`` (AMX-INT8, with vnni): activations of symbolic rows
+    padded to whole tiles of TILE_ROW_PAD (kernels.pad_rows_func, into which their quantization fuses) for the
+    tile kernel to read in place. A model without such contractions is returned unchanged."""
+    return function_pass("tvmdm.Int8Contractions",
+                         lambda mod, name: _rewrite_function(mod, name, vnni, avx_vnni, tiles and vnni))
 
 
 def _byte_pairs_or_wide(targets: dict) -> dict:
@@ -160,7 +164,7 @@ def _byte_pairs_as_stored(targets: dict) -> dict:
             else target for var, target in targets.items()}
 
 
-def _rewrite_function(mod: tvm.IRModule, name: str, vnni: bool, avx_vnni: bool) -> tvm.IRModule:
+def _rewrite_function(mod: tvm.IRModule, name: str, vnni: bool, avx_vnni: bool, tiles: bool) -> tvm.IRModule:
     targets = _plan(mod[name], VNNI if vnni else WIDE)
     if not targets:
         return mod
@@ -184,8 +188,16 @@ def _rewrite_function(mod: tvm.IRModule, name: str, vnni: bool, avx_vnni: bool) 
                     x = bb.emit(relax.call_tir(reorder, [x, relax.const(target.order.astype(np.int32))], x.ty))
                 if target.packing.activations != x.ty.dtype:
                     x = bb.emit(relax.op.astype(x, target.packing.activations))
+                if self._padded(target):
+                    pad = bb.add_func(pad_rows_func(x.ty.shape.values, x.ty.dtype), "pad_rows")
+                    x = bb.emit(relax.call_tir(pad, [x], relax.TensorType(
+                        converted_shape(x.ty.shape.values), x.ty.dtype)))
                 self.activations[target.x] = x
             return self.activations[target.x]
+
+        @staticmethod
+        def _padded(target: Int8Gemm) -> bool:
+            return tiles and target.packing is VNNI and not isinstance(target.x.ty.shape.values[-2], tirx.IntImm)
 
         def visit_var_binding_(self, binding):
             target = targets.get(binding.var)
@@ -198,7 +210,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str, vnni: bool, avx_vnni: bool) 
             if zero_point.ty.dtype == "int8":
                 zero_point = bb.emit(_as_uint8(zero_point))
             weight = target.weight if target.order is None else target.weight[target.order]
-            gemm = bb.add_func(int8_gemm_func(lead, k, n, packing), "int8_gemm")
+            gemm = bb.add_func(int8_gemm_func(lead, k, n, packing, self._padded(target)), "int8_gemm")
             args = [self._activations(target), zero_point, relax.const(packing.pack(weight)),
                     relax.const(column_sums(weight))]
             out = bb.emit(relax.call_tir(gemm, args, relax.TensorType(lead + [n], "int32")))
