@@ -311,5 +311,17 @@ def test_hf_classifier_train_bench_adds_bf16_rows_each_system_in_its_own_process
     bf16, fp32 = found["losses"]["tvmdm[bf16]"], found["losses"]["torch-eager"]
     # within the bound (checked inside), not equal (it rounds), and it trains
     assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(bf16, fp32)) and bf16 != fp32 and bf16[2] < bf16[0]
+    autocast = found["losses"]["torch-eager[bf16]"]
+    assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(bf16, autocast))  # checked inside too
     assert found["torch_eager_bf16_over_tvmdm_bf16"] > 0
     assert any("tvmdm[bf16] vs torch-eager[bf16] (autocast)" in line for line in lines)
+
+
+def test_reduced_precision_losses_are_checked_against_pytorchs_autocast_step():
+    from tvmdm.bench.training import check_against_autocast
+
+    losses = {"torch-eager": [1.0, 0.9], "tvmdm[bf16]": [1.004, 0.903], "torch-eager[bf16]": [1.0, 0.9]}
+    assert check_against_autocast(losses, ["bf16"]) is losses
+    losses["tvmdm[bf16]"][1] = 0.92  # 2.2 % off autocast's second step
+    with pytest.raises(AssertionError, match=r"tvmdm\[bf16\] disagrees with torch-eager\[bf16\] at training step 2"):
+        check_against_autocast(losses, ["bf16"])

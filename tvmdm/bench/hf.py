@@ -200,14 +200,14 @@ def train_step(path: str, model_size: str, batch: int, seq: int, *, precisions=(
     fp32, "tvmdm[p]" else); PyTorch eager in fp32 and, for each reduced precision, under its autocast
     ("torch-eager[p]"); ``torch_compile`` adds torch.compile likewise. Each system in a process of its own
     (tvmdm.bench.isolated): the losses of ``steps`` steps from the same weights compared with PyTorch's fp32
-    step (bench.training.check_training_agreement: fp32 within 1e-3, reduced precisions within 1e-2), then
-    timed. ``isolated=False``: every system in this process instead, the steps not exported (tests of the
+    step (bench.training.check_training_agreement: fp32 within 1e-3, reduced precisions within 1e-2, and with
+    PyTorch's autocast step in their precision within 1e-2), then timed. ``isolated=False``: every system in this process instead, the steps not exported (tests of the
     losses; its timings are disturbed, see tvmdm.bench.isolated)."""
     import tempfile
 
     import tvmdm
     from tvmdm.bench.isolated import Job, in_process, run_jobs
-    from tvmdm.bench.training import check_training_agreement
+    from tvmdm.bench.training import check_against_autocast, check_training_agreement
     from tvmdm.core.target import num_cores
     from tvmdm.models import hf_export
 
@@ -241,6 +241,7 @@ def train_step(path: str, model_size: str, batch: int, seq: int, *, precisions=(
     losses = {name: r["losses"] for name, r in results.items()}
     out(f"  losses of {steps} steps: " + ", ".join(f"{name} {[round(x, 6) for x in v]}" for name, v in losses.items()))
     check_training_agreement(losses, reference="torch-eager")
+    check_against_autocast(losses, reduced)
     timings = [summarize(name, r["seconds"]) for name, r in results.items()]
     by_name = {t.system: t.median_ms for t in timings}
     for t in timings:

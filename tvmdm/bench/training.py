@@ -105,6 +105,15 @@ def check_training_agreement(losses: dict, rtol: float = 1e-3, reduced_rtol: flo
     return losses
 
 
+def check_against_autocast(losses: dict, precisions, rtol: float = 1e-2) -> dict:
+    """The losses of each reduced precision's systems ("...[p]") against PyTorch eager's step under that
+    precision's autocast ("torch-eager[p]"), within ``rtol``: the bound #26 documents for bf16 training."""
+    for precision in precisions:
+        same = {name: v for name, v in losses.items() if name.endswith(f"[{precision}]")}
+        check_training_agreement(same, reduced_rtol=rtol, reference=f"torch-eager[{precision}]")
+    return losses
+
+
 def run_train_bench(model: str, *, batch: int | None = None, seq: int | None = None, target: str = "llvm",
                     min_runs: int = 5, max_seconds: float = 30.0, torch: bool = True, torch_compile: bool = True,
                     json_path: str | None = None, plot_path: str | None = None, tuning_logs="shipped",
