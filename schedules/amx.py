@@ -11,7 +11,9 @@ of palette 1, K in steps of 32. The blocks of a unit share their weight tiles (r
 row) and the unit loads the tile configuration once. The accumulators go out to a 32G x 32 fp32 buffer on the
 stack, from which the fused epilogue (bias, GELU, residual, the next operator's bf16 conversion) is computed while
 it is in L1. Units run in parallel over the cores; each unit loads the tile configuration itself (a thread's
-tile state is its own) and releases it at its end.
+tile state is its own) and releases it at its end. With symbolic rows (padded to whole blocks) a unit is one
+block of 32 rows over a panel of weight columns that stays in L2 (panel_blocks), the units walking the rows
+under each panel.
 
 The int8 contractions of quantized models (schedules.int8) take the same units on AMX-INT8: ``tdpbusd``
 multiplies a 16 x 64 uint8 activation tile by a 16 (k quads) x 16 x 4 int8 weight tile (vpdpbusd's packing,
@@ -230,7 +232,8 @@ def panel_blocks(n: int, k: int, op: TileOp = BF16_TILES) -> int:
 
 def _unit_rows(sch, m, n_extent: int, k_extent: int, k_step: int) -> tuple[int, int] | None:
     """(rows of a block, blocks per unit) for the row loop ``m``; None where whole tiles do not fit. Symbolic
-    rows come padded to whole blocks (tvmdm.transform.kernels.TILE_ROW_PAD): one block per unit."""
+    rows come padded to whole blocks (tvmdm.transform.kernels.TILE_ROW_PAD): one block of rows per unit (over
+    a panel of weight columns, panel_blocks)."""
     extent = sch.get(m).extent
     if not isinstance(extent, tirx.IntImm):
         analyzer = tvm.sym.Analyzer()

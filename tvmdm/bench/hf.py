@@ -201,8 +201,9 @@ def train_step(path: str, model_size: str, batch: int, seq: int, *, precisions=(
     ("torch-eager[p]"); ``torch_compile`` adds torch.compile likewise. Each system in a process of its own
     (tvmdm.bench.isolated): the losses of ``steps`` steps from the same weights compared with PyTorch's fp32
     step (bench.training.check_training_agreement: fp32 within 1e-3, reduced precisions within 1e-2, and with
-    PyTorch's autocast step in their precision within 1e-2), then timed. ``isolated=False``: every system in this process instead, the steps not exported (tests of the
-    losses; its timings are disturbed, see tvmdm.bench.isolated)."""
+    PyTorch's autocast step in their precision within 1e-2), then timed. ``isolated=False``: every system in
+    this process instead, the steps not exported (tests of the losses; its timings are disturbed, see
+    tvmdm.bench.isolated)."""
     import tempfile
 
     import tvmdm
