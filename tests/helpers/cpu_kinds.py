@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import tvm
 
@@ -55,3 +56,17 @@ BY_NAME = {kind.name: kind for kind in KINDS}
 def asm_of(compiled) -> str:
     """The generated assembly of a compiled model's kernels."""
     return "".join(m.inspect_source("asm") for m in compiled._executable.mod.imports)
+
+
+def function_asm(asm: str, name: str) -> list[str]:
+    """The lines of function ``name`` (its label up to the next function's) in ``asm``."""
+    lines = asm.splitlines()
+    start = lines.index(name + ":")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].endswith(":") and
+                not lines[i].startswith(("\t", " ", ".L", "#"))), len(lines))
+    return lines[start + 1:end]
+
+
+def stack_spills(lines: list[str], register: str = "zmm") -> list[str]:
+    """The stores of ``register`` vectors to the stack among ``lines`` of assembly (AT&T syntax)."""
+    return [line for line in lines if re.search(rf"%{register}\d+, -?\d*\(%r[sb]p\)", line)]

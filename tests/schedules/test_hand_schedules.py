@@ -112,6 +112,20 @@ def test_sm_without_a_record_is_scheduled_per_head_and_matches_onnxruntime(tiny_
     assert compiled.check(tvmdm.random_inputs(compiled, batch=2, seq=8)).ok
 
 
+def test_context_kernel_keeps_its_accumulators_in_avx512_registers():
+    # P V on AVX-512 (built for the Zen 4 kind on any machine): 8 rows x 2 vectors of accumulators and the V
+    # vectors fit the 32 zmm registers (8 x 4 took all 32 for accumulators: 14 spills to the stack, 1.4x slower)
+    from tests.helpers.cpu_kinds import BY_NAME, asm_of, function_asm, stack_spills
+    from tvmdm.models import BertConfig, build_encoder_layer
+
+    shapes = {"hidden_states": [2, 64, 128], "attention_mask": [2, 64]}
+    compiled = tvmdm.compile(build_encoder_layer(BertConfig(hidden=128, heads=2, ffn=256, batch=2, seq=64)),
+                             shapes=shapes, fusion="paper", target=BY_NAME["zen4"].target(), tuning_logs=[])
+    context = function_asm(asm_of(compiled), "attention_context_compute_")
+    assert sum("vfmadd" in line and "zmm" in line for line in context) >= 16, context  # the micro-kernel is here
+    assert not stack_spills(context), stack_spills(context)
+
+
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_attention_micro_kernels_on_whole_vectors_match_onnxruntime(layout):
     # 64 keys and head dim 64: whole register tiles in both kernels (the tiny layer's 8 keys take the ragged
