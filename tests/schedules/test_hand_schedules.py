@@ -233,3 +233,22 @@ def test_a_lone_row_reduction_gets_row_tiles_and_a_contraction_does_not():
     x2 = te.placeholder((24, 64), "float32", name="x2")
     contraction = te.create_prim_func([x2, w, topi.matmul(x2, w)]).with_attr("global_symbol", "main")
     assert schedule_row_reduction(contraction, 16) is None  # two inputs: a matmul is no row reduction
+
+
+def test_row_extrema_reduce_each_row_to_its_max_and_negated_min_in_one_task():
+    from tvmdm.transform.row_reductions import row_extrema_func
+
+    from schedules.rows import schedule_row_extrema
+
+    scheduled = schedule_row_extrema(row_extrema_func([4, 6, 64], "float32").with_attr("global_symbol", "main"), 16)
+    script = scheduled.script()
+    # both reductions as vector-lane partials under the one parallel loop of row tiles
+    assert script.count("T.parallel") == 1 and script.count("T.vectorized") >= 2
+    parallel = script.index("T.parallel")
+    assert parallel < script.index('T.sblock("row_max_rf")') and parallel < script.index('T.sblock("row_min_rf")')
+    data = np.random.default_rng(0).standard_normal((4, 6, 64)).astype("float32")
+    out = tvm.runtime.tensor(np.zeros((4, 6, 2), "float32"))
+    tvm.tirx.build(scheduled, target="llvm")(tvm.runtime.tensor(data), out)
+    np.testing.assert_array_equal(out.numpy(), np.stack([data.max(-1), -data.min(-1)], axis=-1))
+    assert schedule_row_extrema(row_extrema_func([4, 6, 40], "float32").with_attr("global_symbol", "main"), 16) \
+        is None  # rows off whole vectors: the default rule's

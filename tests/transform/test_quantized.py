@@ -103,27 +103,36 @@ def test_quantize_dynamic_bert_export_matches_onnxruntime(hf_export, tmp_path, s
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-def _max_min_module(shape):
+def _max_min_module(shape, ops=(relax.op.max, relax.op.min)):
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType(shape, "float32"))
     with bb.function("main", [x]):
         with bb.dataflow():
-            out = bb.emit_output(relax.op.subtract(bb.emit(relax.op.max(x)), bb.emit(relax.op.min(x))))
+            reduced = [bb.emit(op(x)) for op in ops]
+            out = bb.emit_output(relax.op.subtract(*reduced) if len(reduced) == 2 else reduced[0])
         bb.emit_func_output(out)
     return bb.get()
 
 
-def test_whole_tensor_max_and_min_reduce_rows_first_with_the_same_results():
+def _run(mod, x):
+    vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
+    return vm["main"](tvm.runtime.tensor(x)).numpy()
+
+
+def test_whole_tensor_max_and_min_reduce_rows_first_in_one_kernel_with_the_same_results():
+    # DynamicQuantizeLinear's max and min of one tensor: one kernel reduces each row to both ([max, -min]),
+    # then one max over the rows gives the two
     mod = _max_min_module((4, 6, 32))
     rewritten = rows_then_whole()(mod)
     script = rewritten["main"].script()
-    assert script.count("axis=[-1]") == 2 and script.count("R.max(") == 2 and script.count("R.min(") == 2
+    assert script.count("R.call_tir(row_extrema") == 1 and script.count("R.max(") == 1 and "R.min(" not in script
     x = np.random.default_rng(0).standard_normal((4, 6, 32)).astype(np.float32)
-    results = []
-    for m in (mod, rewritten):
-        vm = relax.VirtualMachine(relax.build(m, target="llvm"), tvm.cpu())
-        results.append(vm["main"](tvm.runtime.tensor(x)).numpy())
-    assert results[0] == results[1] == x.max() - x.min()
+    assert _run(mod, x) == _run(rewritten, x) == x.max() - x.min()
+    x[1, 2, 3], x[3, 0, 0] = 7.5, -9.25  # the extremes in other rows
+    assert _run(rewritten, x) == 16.75
+    # a max alone: its rows, then the whole
+    alone = rows_then_whole()(_max_min_module((4, 6, 32), ops=(relax.op.max,)))
+    assert alone["main"].script().count("axis=[-1]") == 1 and _run(alone, x) == x.max()
     assert rows_then_whole()(_max_min_module((32,)))["main"].script().count("axis=[-1]") == 0  # rank 1: as it is
 
 
