@@ -39,11 +39,10 @@ from schedules.default import inline_elementwise
 from schedules.packed import epilogue_into_tile, has_block
 from schedules.bf16 import has_bf16_dot
 from schedules.rule import FLOPS_ATTR, ScheduleRule
-from tvmdm.core.target import cpu_has
+from tvmdm.core.target import has_amx_bf16
 from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, VNNI
 from tvmdm.transform.kernels import GEMM_BLOCK, LANES, PAIR, bf16_value
 
-CPU_FEATURE = "amx-bf16"  # LLVM's name; /proc/cpuinfo says amx_bf16
 TILE_ROWS = 16  # rows of every tile (palette 1 allows 16)
 TILE_BYTES = 64  # bytes per tile row: 32 bf16 or 16 fp32
 BLOCK = 2 * TILE_ROWS  # columns of a block (2 accumulator tiles wide), and its rows where they divide by 32
@@ -99,11 +98,6 @@ def tile_config_words() -> list[int]:
         config[16 + 2 * tile: 18 + 2 * tile] = TILE_BYTES.to_bytes(2, "little")
         config[48 + tile] = TILE_ROWS
     return [int.from_bytes(config[8 * i: 8 * i + 8], "little") for i in range(8)]
-
-
-def has_amx_bf16(target: tvm.target.Target) -> bool:
-    """Whether ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has the AMX-BF16 tile units."""
-    return cpu_has(target, CPU_FEATURE)
 
 
 def _intrin(name: str, *args):
@@ -267,6 +261,7 @@ def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False, op: TileOp = B
     if static_rows:
         sch.reorder(*outer, mo, no, mi, ni, k)
         unit = sch.fuse(*outer, mo, no)
+        col_blocks = 1
     else:  # one block of rows per unit, over a panel of columns; units walk the rows under one panel
         col_blocks = panel_blocks(n_extent, k_extent, op)
         panel, nc = sch.split(no, [None, col_blocks])
@@ -285,7 +280,7 @@ def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False, op: TileOp = B
             sch.reverse_compute_at(block, unit)
     init = sch.decompose_reduction(gemm, mi)
     sch.vectorize(sch.get_loops(init)[-1])
-    sch.tensorize(mi, amx_intrin(k_extent, groups, rows, emulate, op, 1 if static_rows else col_blocks))
+    sch.tensorize(mi, amx_intrin(k_extent, groups, rows, emulate, op, col_blocks))
     if static_rows:
         epilogue_into_tile(sch, acc, unit, LANES)
     else:

@@ -172,6 +172,11 @@ def has_int8_dot(target: tvm.target.Target) -> bool:
     return cpu_has(target, "avx512vnni")
 
 
+def has_amx_bf16(target: tvm.target.Target) -> bool:
+    """Whether ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has the AMX-BF16 tile units."""
+    return cpu_has(target, "amx-bf16")
+
+
 def has_amx_int8(target: tvm.target.Target) -> bool:
     """Whether ``target``'s CPU (its mcpu and mattr, as LLVM knows them) has the AMX-INT8 tile units."""
     return cpu_has(target, "amx-int8")
@@ -187,7 +192,7 @@ def attention_on_matrix_units(target: tvm.target.Target, precision: str) -> bool
     """Whether the attention's contractions run on matrix units: CUDA (tensor cores; schedules.tensor_cores) or
     bf16 on a CPU with AMX-BF16 (schedules.amx). There the paper level keeps them as batched matmuls, one
     contraction a kernel, rather than einsums fused with the softmax (tvmdm.transform.graph_rewrites)."""
-    return is_gpu(target) or (precision == "bf16" and cpu_has(target, "amx-bf16"))
+    return is_gpu(target) or (precision == "bf16" and has_amx_bf16(target))
 
 
 def is_gpu(target: tvm.target.Target) -> bool:

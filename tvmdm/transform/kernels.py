@@ -91,24 +91,25 @@ def to_bf16_func(shape) -> tirx.PrimFunc:
     """x (fp32) -> its bf16 bits. Symbolic rows (the last leading dim): the output holds them padded to whole
     tiles of TILE_ROW_PAD (padded_rows), the rows past the end copies of the last one, so that a contraction
     reads whole tiles of it in place (gemm_func)."""
-    *lead, k = shape
-    lead = lead_dims(lead)
-    x = te.placeholder(lead + int64_dims((k,)), "float32", name="x")
-    out = te.compute(converted_shape(lead + int64_dims((k,))),
-                     lambda *i: bf16_bits(x(*clamped_rows(i[:-1], lead), i[-1])), name="to_bf16")
-    return private_func(te.create_prim_func([x, out]))
+    return private_func(_rows_padded(shape, "float32", bf16_bits, "to_bf16"))
 
 
 def pad_rows_func(shape, dtype: str) -> tirx.PrimFunc:
     """x [lead..., rows, K] of symbolic rows -> x with its rows padded to whole tiles of TILE_ROW_PAD, the rows
     past the end copies of the last one (what to_bf16_func writes, for operands that need no conversion: int8
     activations). Injective, so the element-wise kernel producing x (a quantization) fuses into it."""
+    return private_func(_rows_padded(shape, dtype, lambda value: value, "pad_rows")).with_attr("op_pattern", 2)
+
+
+def _rows_padded(shape, dtype: str, convert, name: str) -> tirx.PrimFunc:
+    """y = convert(x) for x [lead..., K] of ``dtype``, symbolic rows padded to whole tiles of TILE_ROW_PAD with
+    copies of the last row (converted_shape)."""
     *lead, k = shape
     lead = lead_dims(lead)
     x = te.placeholder(lead + int64_dims((k,)), dtype, name="x")
-    out = te.compute(converted_shape(lead + int64_dims((k,))), lambda *i: x(*clamped_rows(i[:-1], lead), i[-1]),
-                     name="pad_rows")
-    return private_func(te.create_prim_func([x, out])).with_attr("op_pattern", 2)
+    out = te.compute(converted_shape(lead + int64_dims((k,))),
+                     lambda *i: convert(x(*clamped_rows(i[:-1], lead), i[-1])), name=name)
+    return te.create_prim_func([x, out])
 
 
 def tile_operand(lead, padded: bool):

@@ -136,7 +136,7 @@ def int8_contractions(vnni: bool = True, avx_vnni: bool = False, tiles: bool = F
     padded to whole tiles of TILE_ROW_PAD (kernels.pad_rows_func, into which their quantization fuses) for the
     tile kernel to read in place. A model without such contractions is returned unchanged."""
     return function_pass("tvmdm.Int8Contractions",
-                         lambda mod, name: _rewrite_function(mod, name, vnni, avx_vnni, tiles and vnni))
+                         lambda mod, name: _rewrite_function(mod, name, vnni, avx_vnni, tiles))
 
 
 def _byte_pairs_or_wide(targets: dict) -> dict:
