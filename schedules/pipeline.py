@@ -22,6 +22,7 @@ import tvm
 from tvm import tirx
 
 from schedules.amx import AmxContractions
+from schedules.amx_attention import TileAttention
 from schedules.attention import AttentionKernels
 from schedules.bf16 import Bf16Contractions
 from schedules.default import DefaultSchedule
@@ -39,6 +40,7 @@ SCHEDULE_RULES = (
     PackedContractions(),
     Int8Contractions(),
     AmxContractions(),
+    TileAttention(),
     Bf16Contractions(),
     AttentionKernels(),
     RowNormalizations(),

@@ -72,7 +72,7 @@ def pad_attention_keys() -> tvm.transform.Pass:
     return function_pass("tvmdm.PadAttentionKeys", _rewrite_function, every_function=False)
 
 
-def _composite(mod: tvm.IRModule, value) -> str | None:
+def composite_name(mod: tvm.IRModule, value) -> str | None:
     if not isinstance(value, relax.Call) or not isinstance(value.op, relax.GlobalVar):
         return None
     func = mod[value.op]
@@ -97,11 +97,11 @@ def _plan(mod: tvm.IRModule, func: relax.Function) -> dict:
                 readers.setdefault(arg, []).append(var)
     plan = {}
     for var, value in bindings.items():
-        if _composite(mod, value) != SM:
+        if composite_name(mod, value) != SM:
             continue
         length = var.ty.shape.values[-1]
         users = readers.get(var, [])
-        if isinstance(length, tirx.Var) and users and all(_composite(mod, bindings[u]) == CONTEXT for u in users):
+        if isinstance(length, tirx.Var) and users and all(composite_name(mod, bindings[u]) == CONTEXT for u in users):
             plan[var] = length
     return plan
 
@@ -112,7 +112,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
         return mod
     bindings = bindings_of(mod[name])
     contexts = {var: sm for sm in plan for var, value in bindings.items()
-                if _composite(mod, value) == CONTEXT and any(arg.same_as(sm) for arg in value.args)}
+                if composite_name(mod, value) == CONTEXT and any(arg.same_as(sm) for arg in value.args)}
 
     @relax.expr_functor.mutator
     class PadKeys(relax.PyExprMutator):
