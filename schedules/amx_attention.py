@@ -10,7 +10,9 @@ one ``tile_attention`` kernel over operands it prepares (keys padded to whole bl
   out   [B, L, H, D] fp32 (the rows past the sequence are computed and cut by the caller).
 
 Its reference semantics is ``attention_func`` (TE, any CPU); ``schedule_tile_attention`` replaces it with the
-hand-written kernel: one unit of work per (batch, head, block of 32 queries), in parallel. A unit computes its
+hand-written kernel: one unit of work per (batch, head), in parallel, its blocks of 32 queries in turn (a unit
+per block of queries, each allocating its buffers and loading the tile configuration, took 1.03 against 0.84 ms
+for BERT-base's heads at (8, 128) on 2 Sapphire Rapids cores). For each block it computes the
 32 x L scores block by block of 32 keys (4 accumulator tiles from 2 query tiles and 2 key tiles, D in steps of
 32) into a buffer of its own (32 x L fp32: 64 KiB at L = 512, in L2), the softmax of each row while it is in
 L1 (max, exp, sum, then the probabilities as bf16 into a second buffer), and the 32 x D context from them and
@@ -82,10 +84,9 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, emulate: bool
             kf = T.decl_buffer((batch * H * (blocks * 32) * D,), "uint16", data=k.data)
             vf = T.decl_buffer((batch * H * (blocks * 32) * D,), "uint16", data=v.data)
             of = T.decl_buffer((batch * (blocks * 32) * H * D,), "float32", data=out.data)
-            for unit in T.parallel(batch * H * blocks):
-                b = unit // (H * blocks)
-                h = unit // blocks % H
-                qb = unit % blocks
+            for unit in T.parallel(batch * H):
+                b = unit // H
+                h = unit % H
                 scores = T.decl_buffer((32 * (blocks * 32),), "float32", scope="global")
                 probs = T.decl_buffer((32 * (blocks * 32),), "uint16", scope="global")
                 acc = T.decl_buffer((4, TILE_ROWS, 16), "float32", scope="local")  # emulated tiles
@@ -103,106 +104,107 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, emulate: bool
                     config[6] = T.uint64(words[6])
                     T.evaluate(_intrin("ldtilecfg", T.address_of(config[0])))
                 head = b * H + h
-                # scores: 32 queries x 32 keys a block, D in steps of 32
-                for kb in range(blocks):
-                    for t in T.unroll(4):
-                        if emulate:
-                            for r, x in T.grid(TILE_ROWS, 16):
-                                acc[t, r, x] = T.float32(0)
-                        else:
-                            T.evaluate(_intrin("tilezero", T.int8(ACC[0] + t)))
-                    for step in range(d_steps):
-                        for t in T.unroll(2):
-                            a_at = (head * (blocks * 32) + qb * 32 + t * 16) * D + step * 32
-                            b_at = ((head * blocks * 2 + kb * 2 + t) * (D // 2) + step * 16) * 32
-                            if emulate:
-                                for r, x in T.grid(TILE_ROWS, 32):
-                                    a_tiles[t, r, x] = qf[a_at + r * D + x]
-                                    b_tiles[t, r, x] = kf[b_at + r * 32 + x]
-                            else:
-                                T.evaluate(_intrin("tileloadd64", T.int8(A_TILES[0] + t),
-                                                   T.address_of(qf[a_at]), T.int64(D * 2)))
-                                T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t),
-                                                   T.address_of(kf[b_at]), T.int64(TILE_BYTES)))
-                        for t in T.unroll(4):
-                            if emulate:
-                                for m, x, j, p in T.grid(TILE_ROWS, 16, 16, 2):
-                                    acc[t, m, x] = acc[t, m, x] + bf16_value(a_tiles[t // 2, m, j * 2 + p]) * \
-                                        bf16_value(b_tiles[t % 2, j, x * 2 + p])
-                            else:
-                                T.evaluate(_intrin("tdpbf16ps", T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
-                                                   T.int8(B_TILES[0] + t % 2)))
-                    for t in T.unroll(4):
-                        s_at = t // 2 * 16 * (blocks * 32) + kb * 32 + t % 2 * 16
-                        if emulate:
-                            for r, x in T.grid(TILE_ROWS, 16):
-                                scores[s_at + r * (blocks * 32) + x] = acc[t, r, x]
-                        else:
-                            T.evaluate(_intrin("tilestored64", T.int8(ACC[0] + t), T.address_of(scores[s_at]),
-                                               T.int64((blocks * 32) * 4)))
-                # softmax of each row, in fp32, the probabilities as bf16
-                for r in range(32):
-                    for x in T.vectorized(LANES):
-                        lanes[x] = T.float32(neg_inf)
-                    for c in range(blocks * 2):
-                        for x in T.vectorized(LANES):
-                            lanes[x] = T.max(lanes[x], scores[r * (blocks * 32) + c * 16 + x] * T.float32(scale)
-                                             + mask[b, c * 16 + x])
-                    row[0] = T.float32(neg_inf)
-                    for x in range(LANES):
-                        row[0] = T.max(row[0], lanes[x])
-                    for x in T.vectorized(LANES):
-                        lanes[x] = T.float32(0)
-                    for c in range(blocks * 2):
-                        for x in T.vectorized(LANES):
-                            scores[r * (blocks * 32) + c * 16 + x] = fast_exp(
-                                scores[r * (blocks * 32) + c * 16 + x] * T.float32(scale) + mask[b, c * 16 + x] - row[0])
-                            lanes[x] = lanes[x] + scores[r * (blocks * 32) + c * 16 + x]
-                    row[1] = T.float32(0)
-                    for x in range(LANES):
-                        row[1] = row[1] + lanes[x]
-                    # a row whose keys are all masked with -inf: probabilities 0 (torch's export zeroes its NaNs)
-                    row[1] = T.Select(row[0] == T.float32(neg_inf), T.float32(0), T.float32(1) / row[1])
-                    for c in range(blocks * 2):
-                        for x in T.vectorized(LANES):
-                            probs[r * (blocks * 32) + c * 16 + x] = bf16_bits(scores[r * (blocks * 32) + c * 16 + x] * row[1])
-                # context: 32 queries x 32 columns of D at a time, the keys in steps of 32
-                for cb in range(col_blocks):
-                    for t in T.unroll(4):
-                        if emulate:
-                            for r, x in T.grid(TILE_ROWS, 16):
-                                acc[t, r, x] = T.float32(0)
-                        else:
-                            T.evaluate(_intrin("tilezero", T.int8(ACC[0] + t)))
+                for qb in range(blocks):
+                    # scores: 32 queries x 32 keys a block, D in steps of 32
                     for kb in range(blocks):
-                        for t in T.unroll(2):
-                            a_at = t * 16 * (blocks * 32) + kb * 32
-                            b_at = ((head * (D // 16) + cb * 2 + t) * blocks * 16 + kb * 16) * 32
-                            if emulate:
-                                for r, x in T.grid(TILE_ROWS, 32):
-                                    a_tiles[t, r, x] = probs[a_at + r * (blocks * 32) + x]
-                                    b_tiles[t, r, x] = vf[b_at + r * 32 + x]
-                            else:
-                                T.evaluate(_intrin("tileloadd64", T.int8(A_TILES[0] + t),
-                                                   T.address_of(probs[a_at]), T.int64((blocks * 32) * 2)))
-                                T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t),
-                                                   T.address_of(vf[b_at]), T.int64(TILE_BYTES)))
                         for t in T.unroll(4):
                             if emulate:
-                                for m, x, j, p in T.grid(TILE_ROWS, 16, 16, 2):
-                                    acc[t, m, x] = acc[t, m, x] + bf16_value(a_tiles[t // 2, m, j * 2 + p]) * \
-                                        bf16_value(b_tiles[t % 2, j, x * 2 + p])
+                                for r, x in T.grid(TILE_ROWS, 16):
+                                    acc[t, r, x] = T.float32(0)
                             else:
-                                T.evaluate(_intrin("tdpbf16ps", T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
-                                                   T.int8(B_TILES[0] + t % 2)))
-                    for t in T.unroll(4):
-                        o_at = ((b * (blocks * 32) + qb * 32 + t // 2 * 16) * H + h) * D + cb * 32 + t % 2 * 16
-                        if emulate:
-                            for r, x in T.grid(TILE_ROWS, 16):
-                                of[o_at + r * H * D + x] = acc[t, r, x]
-                        else:
-                            T.evaluate(_intrin("tilestored64", T.int8(ACC[0] + t), T.address_of(of[o_at]),
-                                               T.int64(H * D * 4)))
+                                T.evaluate(_intrin("tilezero", T.int8(ACC[0] + t)))
+                        for step in range(d_steps):
+                            for t in T.unroll(2):
+                                a_at = (head * (blocks * 32) + qb * 32 + t * 16) * D + step * 32
+                                b_at = ((head * blocks * 2 + kb * 2 + t) * (D // 2) + step * 16) * 32
+                                if emulate:
+                                    for r, x in T.grid(TILE_ROWS, 32):
+                                        a_tiles[t, r, x] = qf[a_at + r * D + x]
+                                        b_tiles[t, r, x] = kf[b_at + r * 32 + x]
+                                else:
+                                    T.evaluate(_intrin("tileloadd64", T.int8(A_TILES[0] + t),
+                                                       T.address_of(qf[a_at]), T.int64(D * 2)))
+                                    T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t),
+                                                       T.address_of(kf[b_at]), T.int64(TILE_BYTES)))
+                            for t in T.unroll(4):
+                                if emulate:
+                                    for m, x, j, p in T.grid(TILE_ROWS, 16, 16, 2):
+                                        acc[t, m, x] = acc[t, m, x] + bf16_value(a_tiles[t // 2, m, j * 2 + p]) * \
+                                            bf16_value(b_tiles[t % 2, j, x * 2 + p])
+                                else:
+                                    T.evaluate(_intrin("tdpbf16ps", T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
+                                                       T.int8(B_TILES[0] + t % 2)))
+                        for t in T.unroll(4):
+                            s_at = t // 2 * 16 * (blocks * 32) + kb * 32 + t % 2 * 16
+                            if emulate:
+                                for r, x in T.grid(TILE_ROWS, 16):
+                                    scores[s_at + r * (blocks * 32) + x] = acc[t, r, x]
+                            else:
+                                T.evaluate(_intrin("tilestored64", T.int8(ACC[0] + t), T.address_of(scores[s_at]),
+                                                   T.int64((blocks * 32) * 4)))
+                    # softmax of each row, in fp32, the probabilities as bf16
+                    for r in range(32):
+                        for x in T.vectorized(LANES):
+                            lanes[x] = T.float32(neg_inf)
+                        for c in range(blocks * 2):
+                            for x in T.vectorized(LANES):
+                                lanes[x] = T.max(lanes[x], scores[r * (blocks * 32) + c * 16 + x] * T.float32(scale)
+                                                 + mask[b, c * 16 + x])
+                        row[0] = T.float32(neg_inf)
+                        for x in range(LANES):
+                            row[0] = T.max(row[0], lanes[x])
+                        for x in T.vectorized(LANES):
+                            lanes[x] = T.float32(0)
+                        for c in range(blocks * 2):
+                            for x in T.vectorized(LANES):
+                                scores[r * (blocks * 32) + c * 16 + x] = fast_exp(
+                                    scores[r * (blocks * 32) + c * 16 + x] * T.float32(scale) + mask[b, c * 16 + x] - row[0])
+                                lanes[x] = lanes[x] + scores[r * (blocks * 32) + c * 16 + x]
+                        row[1] = T.float32(0)
+                        for x in range(LANES):
+                            row[1] = row[1] + lanes[x]
+                        # a row whose keys are all masked with -inf: probabilities 0 (torch's export zeroes its NaNs)
+                        row[1] = T.Select(row[0] == T.float32(neg_inf), T.float32(0), T.float32(1) / row[1])
+                        for c in range(blocks * 2):
+                            for x in T.vectorized(LANES):
+                                probs[r * (blocks * 32) + c * 16 + x] = bf16_bits(scores[r * (blocks * 32) + c * 16 + x] * row[1])
+                    # context: 32 queries x 32 columns of D at a time, the keys in steps of 32
+                    for cb in range(col_blocks):
+                        for t in T.unroll(4):
+                            if emulate:
+                                for r, x in T.grid(TILE_ROWS, 16):
+                                    acc[t, r, x] = T.float32(0)
+                            else:
+                                T.evaluate(_intrin("tilezero", T.int8(ACC[0] + t)))
+                        for kb in range(blocks):
+                            for t in T.unroll(2):
+                                a_at = t * 16 * (blocks * 32) + kb * 32
+                                b_at = ((head * (D // 16) + cb * 2 + t) * blocks * 16 + kb * 16) * 32
+                                if emulate:
+                                    for r, x in T.grid(TILE_ROWS, 32):
+                                        a_tiles[t, r, x] = probs[a_at + r * (blocks * 32) + x]
+                                        b_tiles[t, r, x] = vf[b_at + r * 32 + x]
+                                else:
+                                    T.evaluate(_intrin("tileloadd64", T.int8(A_TILES[0] + t),
+                                                       T.address_of(probs[a_at]), T.int64((blocks * 32) * 2)))
+                                    T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t),
+                                                       T.address_of(vf[b_at]), T.int64(TILE_BYTES)))
+                            for t in T.unroll(4):
+                                if emulate:
+                                    for m, x, j, p in T.grid(TILE_ROWS, 16, 16, 2):
+                                        acc[t, m, x] = acc[t, m, x] + bf16_value(a_tiles[t // 2, m, j * 2 + p]) * \
+                                            bf16_value(b_tiles[t % 2, j, x * 2 + p])
+                                else:
+                                    T.evaluate(_intrin("tdpbf16ps", T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
+                                                       T.int8(B_TILES[0] + t % 2)))
+                        for t in T.unroll(4):
+                            o_at = ((b * (blocks * 32) + qb * 32 + t // 2 * 16) * H + h) * D + cb * 32 + t % 2 * 16
+                            if emulate:
+                                for r, x in T.grid(TILE_ROWS, 16):
+                                    of[o_at + r * H * D + x] = acc[t, r, x]
+                            else:
+                                T.evaluate(_intrin("tilestored64", T.int8(ACC[0] + t), T.address_of(of[o_at]),
+                                                   T.int64(H * D * 4)))
                 if not emulate:
                     T.evaluate(_intrin("tilerelease"))
 
