@@ -4,15 +4,15 @@ Each rule schedules the kernels it knows and returns nothing for the others; a k
 that takes it. The order says which schedule wins where several could:
 
   1-2  column reductions, transposes: by hand; MetaSchedule's CPU space finds nothing as good;
-  3-6  packed fp32, int8 and bf16 contractions: the kernels the precision and quantization rewrites made for
+  3-7  packed fp32, int8 and bf16 contractions: the kernels the precision and quantization rewrites made for
        our micro-kernels (int8 on vpdpbusd; bf16 on the AMX tiles where the CPU has them and the shape fills
-       whole tiles, else AVX512-BF16);
-  7-8  the paper's attention kernels and row-wise normalizations, by hand: on 2 Zen 4 cores (AVX-512) the
+       whole tiles, else AVX512-BF16), and the attention's one tile kernel (tvmdm.transform.tile_attention);
+  8-9  the paper's attention kernels and row-wise normalizations, by hand: on 2 Zen 4 cores (AVX-512) the
        shipped Zen 4 records of SM and BDRLN take 5.6 and 0.39 ms at (8, 128) against 1.67 and 0.13 by hand (on
        a Sapphire Rapids VM 5.5 against 1.5 ms for SM), so no record replaces them and they are not tuned;
-  9-10 tuning records: the first applies when they were tuned on this CPU model (``Options.records_first``),
+  10-11 tuning records: the first applies when they were tuned on this CPU model (``Options.records_first``),
        the second otherwise (the same records; kept apart so that a rule can go between them);
-  11   the default schedule, for every kernel left.
+  12   the default schedule, for every kernel left.
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def test_the_default_rule_takes_what_no_rule_took():
 def test_declared_order_hand_written_rules_first_then_the_records_that_apply():
     names = [rule.name for rule in SCHEDULE_RULES]
     assert names == ["column reductions", "transposes", "packed contractions", "int8 contractions", "amx contractions",
-                     "bf16 contractions", "attention", "row normalizations", "tuning records", "tuning records",
+                     "amx attention", "bf16 contractions", "attention", "row normalizations", "tuning records", "tuning records",
                      "default"]
     early, late = (r for r in SCHEDULE_RULES if isinstance(r, TuningRecords))
     target = tvm.target.Target({"kind": "llvm"})
