@@ -1,7 +1,7 @@
-"""The attention of symbolic sequences on the AMX tile units, scores to context in one kernel (bf16).
+"""The attention on the AMX tile units, scores to context in one kernel (bf16 inference).
 
-tvmdm.transform.tile_attention replaces each SM / context pair of a bf16 module with symbolic sequence length by
-one ``tile_attention`` kernel over operands it prepares (keys padded to whole blocks of 32, ``KEY_BLOCK``):
+tvmdm.transform.tile_attention replaces each SM / context pair of a bf16 module for a CPU with AMX by one
+``tile_attention`` kernel over operands it prepares (keys padded to whole blocks of 32, ``KEY_BLOCK``):
 
   q     [B, H, L, D] bf16 bits: the queries, row-major (A tiles: 16 rows x 32 d);
   k     [B, H, L/16, D/2, 16, 2]: the keys packed as B tiles of QK^T (16 keys x pairs of d, 1 KiB each);
@@ -242,8 +242,8 @@ def schedule_tile_operand(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
 
 
 class TileAttention(ScheduleRule):
-    """The attention of symbolic sequences (tvmdm.transform.tile_attention) on the tile units: the pass only
-    makes such kernels for targets with AMX-BF16 (the emulated kernel where schedules.amx.EMULATE)."""
+    """The attention's one kernel (tvmdm.transform.tile_attention) on the tile units: the pass only makes such
+    kernels for targets with AMX-BF16 (the emulated kernel where schedules.amx.EMULATE)."""
 
     name = "amx attention"
 

@@ -18,7 +18,7 @@ from schedules.pipeline import scheduled_by
 from tests.helpers.cpu_kinds import BY_NAME, asm_of
 from tvmdm.core.errors import TvmdmError
 from tvmdm.core.precision import BF16_MAX_REL_ERR
-from tvmdm.core.target import attention_on_matrix_units, has_int8_dot, make_target
+from tvmdm.core.target import has_amx_bf16, has_int8_dot, make_target
 from tvmdm.models import BertConfig, build_encoder_layer
 from tvmdm.runtime import amx as amx_runtime
 from tvmdm.transform.kernels import TILE_ROW_PAD, gemm_func
@@ -115,13 +115,13 @@ def test_shapes_off_the_tiles_are_left_to_the_next_rule():
 def test_sapphire_rapids_code_runs_the_contractions_on_tiles():
     compiled = _layer_bf16(SPR.target())
     on_tiles = scheduled_by(compiled.mod, amx.AmxContractions())
-    # merged QKV, the attention's scores and context, output, FFN up (+ GELU), FFN down: the paper level keeps
-    # the attention as batched matmuls where they run on tiles
-    assert len(on_tiles) == 6, compiled.kernels
-    assert compiled.uses_amx
+    # merged QKV, output, FFN up (+ GELU), FFN down; the attention's scores and context in one tile kernel of
+    # their own (tests/schedules/test_amx_attention.py)
+    assert len(on_tiles) == 4, compiled.kernels
+    assert "tile_attention" in compiled.kernels and compiled.uses_amx
     asm = asm_of(compiled)
     counts = {op: asm.count(op) for op in TILE_OPS}
-    assert counts["ldtilecfg"] == counts["tilerelease"] == 6 and counts["tdpbf16ps"] > 0, counts
+    assert counts["ldtilecfg"] == counts["tilerelease"] == 5 and counts["tdpbf16ps"] > 0, counts
     assert "vdpbf16ps" not in asm  # every bf16 contraction of this layer fills whole tiles
     for name in on_tiles:
         script = compiled.mod[name].script()
@@ -129,7 +129,7 @@ def test_sapphire_rapids_code_runs_the_contractions_on_tiles():
         parallel = script.index("T.parallel(")
         assert parallel < script.index("llvm.x86.ldtilecfg") < script.index("llvm.x86.tdpbf16ps"), name
         # the right operand is read packed: [..., N/16, K/2, 16, 2] bf16 bits (a weight's at load, K's and V's
-        # per (batch, head) in the attention), B tiles 64 bytes a row
+        # per call for a training step's attention), B tiles 64 bytes a row
         assert re.search(r"\w+: T\.Buffer\(\((T\.int64\(\d+\), )+T\.int64\(16\), T\.int64\(2\)\), "
                          r"\"uint16\"\)", script), name
         assert "T.int64(64))" in script  # the B tiles' stride
@@ -177,9 +177,10 @@ def test_other_kinds_warn_and_keep_their_bf16_path():
 def test_emulated_layer_matches_onnxruntime(emulated, fusion):
     host = make_target("llvm")
     compiled = _layer_bf16(host, fusion=fusion, tuning_logs=None)
-    # the paper level keeps the attention's einsums (fp32) on a host without AMX (the tiles emulated here)
-    batched = fusion == "tvm" or attention_on_matrix_units(host, "bf16")
-    assert len(scheduled_by(compiled.mod, amx.AmxContractions())) == (6 if batched else 4)
+    # stock fusion keeps the attention's batched matmuls (on tiles); the paper level gives it one tile kernel
+    # where the target has AMX, else keeps its fp32 einsums
+    assert len(scheduled_by(compiled.mod, amx.AmxContractions())) == (6 if fusion == "tvm" else 4)
+    assert ("tile_attention" in compiled.kernels) == (fusion == "paper" and has_amx_bf16(host))
     assert not compiled.uses_amx  # emulated: no tile instruction, nothing to ask Linux for
     inputs = tvmdm.random_inputs(compiled, batch=2, seq=32)
     inputs["attention_mask"][1, 11:] = 0

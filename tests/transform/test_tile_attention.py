@@ -15,13 +15,14 @@ from tvmdm.transform.ir import bindings_of, call_op
 from tvmdm.transform.tile_attention import TILE_ATTENTION_ATTR, attention_func
 
 
-def _graph(heads: int, kind: str = "sapphirerapids", symbolic: bool = True):
+def _graph(heads: int, kind: str = "sapphirerapids", seq: int | None = None):
+    """The layer's graph after the graph passes (symbolic, or bound to (2, seq))."""
     from tvmdm.build.compiled import _import
 
     layer = BertConfig(hidden=96, heads=heads, ffn=192, batch=2, seq=32)
-    imported = _import(build_encoder_layer(layer), None if symbolic else {"hidden_states": [2, 32, 96],
-                                                                          "attention_mask": [2, 32]}, None)
-    options = make_options(BY_NAME[kind].target(), precision="bf16", symbolic=symbolic, tuning_logs=None)
+    shapes = None if seq is None else {"hidden_states": [2, seq, 96], "attention_mask": [2, seq]}
+    imported = _import(build_encoder_layer(layer), shapes, None)
+    options = make_options(BY_NAME[kind].target(), precision="bf16", symbolic=seq is None, tuning_logs=None)
     passes = graph_passes(options, FusionRecord(), TrainingFusion())
     return tvm.transform.Sequential(passes)(imported.mod)
 
@@ -56,9 +57,16 @@ def test_pass_leaves_heads_off_the_tiles_to_the_padding():
     assert SM in calls and "pad_keys" in calls and "tile_attention" not in calls
 
 
-@pytest.mark.parametrize("kind, symbolic", [("zen4", True), ("sapphirerapids", False)])
-def test_only_symbolic_modules_for_tiles_take_it(kind, symbolic):
-    assert not [c for c in _calls(_graph(3, kind, symbolic)) if c.startswith("tile_attention")]
+@pytest.mark.parametrize("seq, cut", [(45, True), (64, False)])
+def test_static_sequences_take_it_too_cut_back_only_where_padded(seq, cut):
+    calls = _calls(_graph(heads=3, seq=seq))
+    assert "tile_attention" in calls and SM not in calls
+    assert ("cut_keys" in calls) == cut
+
+
+def test_a_cpu_without_tiles_keeps_the_papers_kernels():
+    calls = _calls(_graph(heads=3, kind="zen4"))
+    assert SM in calls and not [c for c in calls if c.startswith("tile_attention")]
 
 
 def test_reference_kernel_is_opaque_and_says_its_shape():

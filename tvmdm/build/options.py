@@ -68,8 +68,7 @@ def make_options(target="llvm", *, fusion: str = DEFAULT_FUSION, layout: str = D
             logs = kept
     lanes = packed_lanes(logs, tvm_target, precision, symbolic=symbolic, rows=rows)
     dirs = [logs] if isinstance(logs, (str, os.PathLike)) else list(logs or [])
-    # symbolic shapes keep the attention off the CPU's tiles: the paper's fp32 einsums serve them better (base
-    # layer bf16, symbolic, 2 Sapphire Rapids cores: 23.2 against 24.8 ms at (8, 128), 23.1 against 27.0 at (1, 512))
-    batched = attention_on_matrix_units(tvm_target, precision) and not (symbolic and tvm_target.kind.name == "llvm")
+    # CPU inference: the attention in one tile kernel (tvmdm.transform.tile_attention) instead of batched matmuls
+    batched = attention_on_matrix_units(tvm_target, precision) and not (tvm_target.kind.name == "llvm" and not training)
     return Options(tvm_target, fusion=fusion, layout=layout, precision=precision, training=training,
                    tuning_logs=tuple(os.fspath(d) for d in dirs), packed_lanes=lanes, batched_attention=batched)

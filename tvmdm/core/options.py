@@ -57,7 +57,8 @@ class Options:
     packed_lanes: the fp32 contractions run on weights packed in panels this wide (schedules.packed), because
     no log tuned on this CPU model serves them; None: records or the default schedules take them.
     batched_attention: the paper level keeps the attention's contractions batched matmuls, for matrix units
-    (tvmdm.core.target.attention_on_matrix_units; on CPUs for static shapes, which the tiles need).
+    (tvmdm.core.target.attention_on_matrix_units; on CPUs for a training step only: CPU inference runs the
+    attention as one tile kernel, tvmdm.transform.tile_attention).
     """
 
     target: object

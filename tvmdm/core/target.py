@@ -191,7 +191,8 @@ def has_avx_vnni(target: tvm.target.Target) -> bool:
 def attention_on_matrix_units(target: tvm.target.Target, precision: str) -> bool:
     """Whether the attention's contractions run on matrix units: CUDA (tensor cores; schedules.tensor_cores) or
     bf16 on a CPU with AMX-BF16 (schedules.amx). There the paper level keeps them as batched matmuls, one
-    contraction a kernel, rather than einsums fused with the softmax (tvmdm.transform.graph_rewrites)."""
+    contraction a kernel, rather than einsums fused with the softmax (tvmdm.transform.graph_rewrites); CPU
+    inference runs them as one tile kernel instead (tvmdm.build.options, tvmdm.transform.tile_attention)."""
     return is_gpu(target) or (precision == "bf16" and has_amx_bf16(target))
 
 
