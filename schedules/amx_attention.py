@@ -5,7 +5,8 @@ tvmdm.transform.tile_attention replaces each SM / context pair of a bf16 module 
 
   q     [B, H, L, D] bf16 bits: the queries, row-major (A tiles: 16 rows x 32 d);
   k     [B, H, L/16, D/2, 16, 2]: the keys packed as B tiles of QK^T (16 keys x pairs of d, 1 KiB each);
-  v     [B, H, D/16, L/2, 16, 2]: the values packed as B tiles of PV (16 d x pairs of keys);
+  v     [B, H, D/16, L/2, 16] uint32: the values packed as B tiles of PV (16 d x pairs of keys, a pair's two
+        bf16 in one uint32, its first key's low);
   mask  [B, L] fp32, added to the scaled scores (padded keys: -inf);
   out   [B, L, H, D] fp32 (the rows past the sequence are computed and cut by the caller).
 
@@ -76,13 +77,13 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, emulate: bool
         batch = T.int64()
         q = T.match_buffer(q_h, (batch, H, blocks * 32, D), "uint16")
         k = T.match_buffer(k_h, (batch, H, blocks * 2, D // 2, 16, 2), "uint16")
-        v = T.match_buffer(v_h, (batch, H, D // 16, blocks * 16, 16, 2), "uint16")
+        v = T.match_buffer(v_h, (batch, H, D // 16, blocks * 16, 16), "uint32")
         mask = T.match_buffer(m_h, (batch, blocks * 32), "float32")
         out = T.match_buffer(o_h, (batch, blocks * 32, H, D), "float32")
         with T.sblock("root"):
             qf = T.decl_buffer((batch * H * (blocks * 32) * D,), "uint16", data=q.data)
             kf = T.decl_buffer((batch * H * (blocks * 32) * D,), "uint16", data=k.data)
-            vf = T.decl_buffer((batch * H * (blocks * 32) * D,), "uint16", data=v.data)
+            vf = T.decl_buffer((batch * H * (blocks * 16) * D,), "uint32", data=v.data)
             of = T.decl_buffer((batch * (blocks * 32) * H * D,), "float32", data=out.data)
             for unit in T.parallel(batch * H):
                 b = unit // H
@@ -179,11 +180,12 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, emulate: bool
                         for kb in range(blocks):
                             for t in T.unroll(2):
                                 a_at = t * 16 * (blocks * 32) + kb * 32
-                                b_at = ((head * (D // 16) + cb * 2 + t) * blocks * 16 + kb * 16) * 32
+                                b_at = ((head * (D // 16) + cb * 2 + t) * blocks * 16 + kb * 16) * 16
                                 if emulate:
                                     for r, x in T.grid(TILE_ROWS, 32):
                                         a_tiles[t, r, x] = probs[a_at + r * (blocks * 32) + x]
-                                        b_tiles[t, r, x] = vf[b_at + r * 32 + x]
+                                        b_tiles[t, r, x] = T.Cast("uint16", vf[b_at + r * 16 + x // 2] >> T.Cast(
+                                            "uint32", 16 * (x % 2)))
                                 else:
                                     T.evaluate(_intrin("tileloadd64", T.int8(A_TILES[0] + t),
                                                        T.address_of(probs[a_at]), T.int64((blocks * 32) * 2)))

@@ -44,7 +44,8 @@ def _operands(batch, seq, heads, dim, seed=0):
     if batch > 1:
         mask[1] = -np.inf
     k_tiles = _bits(k).reshape(batch, heads, length // 16, 16, dim // 2, 2).transpose(0, 1, 2, 4, 3, 5)
-    v_tiles = _bits(v).reshape(batch, heads, length // 2, 2, dim // 16, 16).transpose(0, 1, 4, 2, 5, 3)
+    v_pairs = _bits(v).reshape(batch, heads, length // 2, 2, dim // 16, 16).transpose(0, 1, 4, 2, 5, 3)
+    v_tiles = v_pairs[..., 0].astype(np.uint32) | (v_pairs[..., 1].astype(np.uint32) << 16)
     scale = 1 / np.sqrt(dim)
     with np.errstate(invalid="ignore"):
         logits = np.einsum("bhid,bhjd->bhij", q, k) * scale + mask[:, None, None, :]

@@ -49,7 +49,7 @@ def attention_func(heads: int, head_dim: int, scale: float) -> tirx.PrimFunc:
     length = blocks * KEY_BLOCK
     q = te.placeholder((batch, H, length, D), "uint16", name="q")
     k = te.placeholder((batch, H, blocks * 2, D // 2, 16, 2), "uint16", name="k")
-    v = te.placeholder((batch, H, D // 16, blocks * 16, 16, 2), "uint16", name="v")
+    v = te.placeholder((batch, H, D // 16, blocks * 16, 16), "uint32", name="v")  # pairs of keys' bits
     mask = te.placeholder((batch, length), "float32", name="mask")
     d = te.reduce_axis((0, D), name="d")
     scores = te.compute((batch, H, length, length), lambda b, h, i, j: te.sum(
@@ -66,7 +66,8 @@ def attention_func(heads: int, head_dim: int, scale: float) -> tirx.PrimFunc:
         top[b, h, i] == masked, tirx.const(0, "float32"), exp[b, h, i, j] / total[b, h, i])), name="probs")
     key = te.reduce_axis((0, length), name="key")
     out = te.compute((batch, length, H, D), lambda b, i, h, c: te.sum(
-        bf16_value(probs[b, h, i, key]) * bf16_value(v[b, h, c // 16, key // 2, c % 16, key % 2]), axis=key),
+        bf16_value(probs[b, h, i, key]) * bf16_value(
+            (v[b, h, c // 16, key // 2, c % 16] >> (16 * (key % 2)).astype("uint32")).astype("uint16")), axis=key),
         name="context")
     func = te.create_prim_func([q, k, v, mask, blocks, out])
     return private_func(func).with_attr(TILE_ATTENTION_ATTR, [H, D, tvm.runtime.convert(float(scale))]) \
@@ -90,9 +91,13 @@ def _operand_func(shape, kind: str) -> tirx.PrimFunc:
     elif kind == "k":  # B tiles of Q K^T: 16 keys (columns) x pairs of d
         out = te.compute((batch, heads, blocks * 2, dim // 2, 16, 2), lambda b, h, kt, dp, c, p: bits(
             b, h, kt * 16 + c, dp * 2 + p), name="tile_attention_k")
-    else:  # B tiles of P V: 16 columns of d x pairs of keys
-        out = te.compute((batch, heads, dim // 16, blocks * 16, 16, 2), lambda b, h, ct, kp, c, p: bits(
-            b, h, kp * 2 + p, ct * 16 + c), name="tile_attention_v")
+    else:  # B tiles of P V: 16 columns of d x pairs of keys, a pair one uint32 (its first key's bits low): two
+        # rows of V read as vectors make whole vectors of pairs (as [.., 16, 2] uint16 they were scattered)
+        def pair(b, h, ct, kp, c):
+            first, second = (bits(b, h, kp * 2 + p, ct * 16 + c).astype("uint32") for p in (0, 1))
+            return first | (second << tirx.const(16, "uint32"))
+
+        out = te.compute((batch, heads, dim // 16, blocks * 16, 16), pair, name="tile_attention_v")
     return private_func(te.create_prim_func([x, out])).with_attr("op_pattern", 2)  # fuses with Q/K/V's slice
 
 
@@ -278,9 +283,10 @@ def _rewrite_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
             batch, heads, _, dim = x.ty.shape.values
             blocks = tvm.sym.Analyzer().simplify(tirx.floordiv(length + KEY_BLOCK - 1, KEY_BLOCK))
             shape = {"q": [batch, heads, blocks * KEY_BLOCK, dim], "k": [batch, heads, blocks * 2, dim // 2, 16, 2],
-                     "v": [batch, heads, dim // 16, blocks * 16, 16, 2]}[kind]
+                     "v": [batch, heads, dim // 16, blocks * 16, 16]}[kind]
             gv = self.builder_.add_func(_operand_func(x.ty.shape.values, kind), f"tile_attention_{kind}")
-            return self.builder_.emit(relax.call_tir(gv, [x], relax.TensorType(shape, "uint16")))
+            dtype = "uint32" if kind == "v" else "uint16"
+            return self.builder_.emit(relax.call_tir(gv, [x], relax.TensorType(shape, dtype)))
 
         def visit_var_binding_(self, binding):
             if binding.var in dropped:
