@@ -7,7 +7,7 @@ tvmdm.transform.tile_attention replaces each SM / context pair of a bf16 module 
   k     [B, H, L/16, D/2, 16, 2]: the keys packed as B tiles of QK^T (16 keys x pairs of d, 1 KiB each);
   v     [B, H, D/16, L/2, 16] uint32: the values packed as B tiles of PV (16 d x pairs of keys, a pair's two
         bf16 in one uint32, its first key's low);
-  mask  [B, L] fp32, added to the scaled scores (padded keys: -inf);
+  mask  [B, 1, L] fp32, added to the scaled scores (padded keys: -inf); [B, L, L] with a row per query;
   out   [B, L, H, D] fp32 (the rows past the sequence are computed and cut by the caller).
 
 Its reference semantics is ``attention_func`` (TE, any CPU); ``schedule_tile_attention`` replaces it with the
@@ -63,12 +63,14 @@ def _intrin(name: str, *args):
 
 
 @functools.lru_cache(maxsize=None)
-def tile_attention_kernel(heads: int, head_dim: int, scale: float, emulate: bool = False) -> tirx.PrimFunc:
-    """The hand-written kernel of ``attention_func(heads, head_dim, scale)`` (same parameters). ``emulate``:
+def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bool = False,
+                          emulate: bool = False) -> tirx.PrimFunc:
+    """The hand-written kernel of ``attention_func(heads, head_dim, scale, per_query)`` (same parameters). ``emulate``:
     every tile instruction as the loops it stands for (what the tile units compute, on any CPU: tests)."""
     H, D = heads, head_dim
     d_steps, col_blocks = D // 32, D // 32
     words = tile_config_words()
+    per_row = int(per_query)  # 1: the mask has a row per query; 0: one row for all
     neg_inf = float("-inf")
 
     @T.prim_func(s_tir=True)
@@ -78,7 +80,7 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, emulate: bool
         q = T.match_buffer(q_h, (batch, H, blocks * 32, D), "uint16")
         k = T.match_buffer(k_h, (batch, H, blocks * 2, D // 2, 16, 2), "uint16")
         v = T.match_buffer(v_h, (batch, H, D // 16, blocks * 16, 16), "uint32")
-        mask = T.match_buffer(m_h, (batch, blocks * 32), "float32")
+        mask = T.match_buffer(m_h, (batch, blocks * 32 * per_row + 1 - per_row, blocks * 32), "float32")
         out = T.match_buffer(o_h, (batch, blocks * 32, H, D), "float32")
         with T.sblock("root"):
             qf = T.decl_buffer((batch * H * (blocks * 32) * D,), "uint16", data=q.data)
@@ -150,7 +152,7 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, emulate: bool
                         for c in range(blocks * 2):
                             for x in T.vectorized(LANES):
                                 lanes[x] = T.max(lanes[x], scores[r * (blocks * 32) + c * 16 + x] * T.float32(scale)
-                                                 + mask[b, c * 16 + x])
+                                                 + mask[b, (qb * 32 + r) * per_row, c * 16 + x])
                         row[0] = T.float32(neg_inf)
                         for x in range(LANES):
                             row[0] = T.max(row[0], lanes[x])
@@ -159,7 +161,7 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, emulate: bool
                         for c in range(blocks * 2):
                             for x in T.vectorized(LANES):
                                 scores[r * (blocks * 32) + c * 16 + x] = fast_exp(
-                                    scores[r * (blocks * 32) + c * 16 + x] * T.float32(scale) + mask[b, c * 16 + x] - row[0])
+                                    scores[r * (blocks * 32) + c * 16 + x] * T.float32(scale) + mask[b, (qb * 32 + r) * per_row, c * 16 + x] - row[0])
                                 lanes[x] = lanes[x] + scores[r * (blocks * 32) + c * 16 + x]
                         row[1] = T.float32(0)
                         for x in range(LANES):
@@ -217,8 +219,8 @@ def schedule_tile_attention(func: tirx.PrimFunc, emulate: bool = False) -> tirx.
     """The tile kernel for an ``attention_func`` kernel (TILE_ATTENTION_ATTR), None for any other."""
     if not (func.attrs and TILE_ATTENTION_ATTR in func.attrs):
         return None
-    heads, head_dim, scale = func.attrs[TILE_ATTENTION_ATTR]
-    kernel = tile_attention_kernel(int(heads), int(head_dim), float(scale), emulate)
+    heads, head_dim, scale, per_query = func.attrs[TILE_ATTENTION_ATTR]
+    kernel = tile_attention_kernel(int(heads), int(head_dim), float(scale), bool(int(per_query)), emulate)
     for key, value in func.attrs.items():
         if key != TILE_ATTENTION_ATTR:
             kernel = kernel.with_attr(key, value)

@@ -30,9 +30,10 @@ def _value(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def _operands(batch, seq, heads, dim, seed=0):
+def _operands(batch, seq, heads, dim, seed=0, per_query=False):
     """(q, k, v, mask, blocks) in the kernel's layouts, and numpy's softmax(Q K^T / sqrt(d) + mask) V of the
-    same bf16 values ([B, S, H, D]); batch 0's last keys masked with -10000, batch 1's every key with -inf."""
+    same bf16 values ([B, S, H, D]); batch 0's last keys masked with -10000, batch 1's every key with -inf;
+    ``per_query``: a mask [B, L, L] whose query i also masks its keys after i (causal)."""
     blocks = -(-seq // KEY_BLOCK)
     length = blocks * KEY_BLOCK
     rng = np.random.default_rng(seed)
@@ -43,12 +44,16 @@ def _operands(batch, seq, heads, dim, seed=0):
     mask[0, seq // 2:seq] = -10000.0
     if batch > 1:
         mask[1] = -np.inf
+    mask = mask[:, None, :]
+    if per_query:
+        causal = np.where(np.arange(length)[None, :] > np.arange(length)[:, None], -10000.0, 0.0)
+        mask = (mask + causal[None]).astype(np.float32)
     k_tiles = _bits(k).reshape(batch, heads, length // 16, 16, dim // 2, 2).transpose(0, 1, 2, 4, 3, 5)
     v_pairs = _bits(v).reshape(batch, heads, length // 2, 2, dim // 16, 16).transpose(0, 1, 4, 2, 5, 3)
     v_tiles = v_pairs[..., 0].astype(np.uint32) | (v_pairs[..., 1].astype(np.uint32) << 16)
     scale = 1 / np.sqrt(dim)
     with np.errstate(invalid="ignore"):
-        logits = np.einsum("bhid,bhjd->bhij", q, k) * scale + mask[:, None, None, :]
+        logits = np.einsum("bhid,bhjd->bhij", q, k) * scale + mask[:, None]
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs = np.nan_to_num(probs / probs.sum(-1, keepdims=True))  # a row of -inf keys: 0
     ref = np.einsum("bhij,bhjd->bihd", _value(_bits(probs)), v)[:, :seq]
@@ -63,10 +68,11 @@ def _run(kernel, args, blocks, out_shape):
     return out.numpy()
 
 
-@pytest.mark.parametrize("batch, seq, heads, dim", [(2, 45, 2, 64), (1, 32, 3, 32), (2, 7, 1, 96)])
-def test_emulated_kernel_matches_numpy(batch, seq, heads, dim):
-    args, blocks, scale, ref = _operands(batch, seq, heads, dim)
-    got = _run(tile_attention_kernel(heads, dim, float(scale), emulate=True), args, blocks,
+@pytest.mark.parametrize("batch, seq, heads, dim, per_query", [(2, 45, 2, 64, False), (1, 32, 3, 32, False),
+                                                            (2, 7, 1, 96, False), (2, 40, 2, 32, True)])
+def test_emulated_kernel_matches_numpy(batch, seq, heads, dim, per_query):
+    args, blocks, scale, ref = _operands(batch, seq, heads, dim, per_query=per_query)
+    got = _run(tile_attention_kernel(heads, dim, float(scale), per_query, emulate=True), args, blocks,
                (batch, blocks * KEY_BLOCK, heads, dim))[:, :seq]
     # the probabilities' bf16 rounding after fast_exp may differ by one step from numpy's
     np.testing.assert_allclose(got, ref, atol=4e-3 * np.abs(ref).max())
@@ -77,9 +83,11 @@ def test_emulated_kernel_matches_numpy(batch, seq, heads, dim):
 @pytest.mark.skipif(not amx_runtime.host_has_amx(), reason="the host has no AMX-BF16 tile units")
 def test_kernel_on_tiles_matches_numpy():
     amx_runtime.request_tile_state()
-    args, blocks, scale, ref = _operands(2, 77, 3, 64)
-    got = _run(tile_attention_kernel(3, 64, float(scale)), args, blocks, (2, blocks * KEY_BLOCK, 3, 64))[:, :77]
-    np.testing.assert_allclose(got, ref, atol=4e-3 * np.abs(ref).max())
+    for per_query in (False, True):
+        args, blocks, scale, ref = _operands(2, 77, 3, 64, per_query=per_query)
+        got = _run(tile_attention_kernel(3, 64, float(scale), per_query), args, blocks,
+                   (2, blocks * KEY_BLOCK, 3, 64))[:, :77]
+        np.testing.assert_allclose(got, ref, atol=4e-3 * np.abs(ref).max())
 
 
 def test_fast_exp_is_within_bf16s_step():
@@ -115,3 +123,23 @@ def test_heads_off_the_tiles_keep_the_papers_kernels():
     compiled = tvmdm.compile(build_encoder_layer(layer), shapes={}, target=SPR.target(), precision="bf16",
                              tuning_logs=None)
     assert "sm" in compiled.kernels and "tile_attention" not in compiled.kernels
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_hf_exports_masks_of_a_row_per_query_take_the_tile_kernel(hf_export, dynamo):
+    # HF's exports expand the mask to [B, 1, S, S] and zero the NaNs of fully masked rows after the softmax
+    from tvmdm.core.precision import BF16_MAX_REL_ERR
+
+    path = hf_export("bert", dynamo=dynamo, opset=18 if dynamo else 17, size="tiny-tiles")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = tvmdm.compile(path, target=SPR.target(), precision="bf16", tuning_logs=None)
+    assert "tile_attention" in built.kernels and "sm" not in built.kernels
+    if not amx_runtime.host_has_amx():
+        pytest.skip("the host has no AMX-BF16 tile units: built and checked, not run")
+    compiled = tvmdm.compile(path, precision="bf16", tuning_logs=None)
+    inputs = tvmdm.random_inputs(compiled, batch=2, seq=37)
+    inputs["attention_mask"][1, 20:] = 0
+    got, ref = compiled.run(inputs), compiled.reference(inputs)
+    err = max(float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(got, ref))
+    assert 0 < err <= BF16_MAX_REL_ERR

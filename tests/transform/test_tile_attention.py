@@ -44,8 +44,8 @@ def test_the_pair_becomes_operands_and_one_tile_kernel():
     kernel = [name for name in calls if name.startswith("tile_attention")]
     assert sorted(kernel) == ["tile_attention", "tile_attention_k", "tile_attention_mask", "tile_attention_q",
                               "tile_attention_v"]
-    heads, dim, scale = mod["tile_attention"].attrs[TILE_ATTENTION_ATTR]
-    assert (int(heads), int(dim)) == (3, 32) and float(scale) == pytest.approx(1 / math.sqrt(32))
+    heads, dim, scale, per_query = mod["tile_attention"].attrs[TILE_ATTENTION_ATTR]
+    assert (int(heads), int(dim), int(per_query)) == (3, 32, 0) and float(scale) == pytest.approx(1 / math.sqrt(32))
     call = next(v for v in bindings_of(mod["main"]).values()
                 if call_op(v) == "relax.call_tir" and v.args[0].name_hint == "tile_attention")
     assert len(call.args[1].fields) == 5  # q, k, v, mask and the number of key blocks

@@ -2,8 +2,8 @@
 
 No model hub here: models are built from configs with seeded random weights, perturbed so that no two
 initializers are identical (the exporters would de-duplicate them and tie parameters in training). Sizes:
-"tiny" (hidden 32, 2 layers: the test suite's), "tiny-12" (the same with 12 layers: the test twin of BERT-base)
-and "base" (transformers' config defaults: bert-base-uncased's shape, 12 layers, 110M parameters). Needs torch
+"tiny" (hidden 32, 2 layers: the test suite's), "tiny-12" (the same with 12 layers: the test twin of BERT-base),
+"tiny-tiles" (hidden 64 in 2 heads of 32: the AMX attention kernel's whole tiles) and "base" (transformers' config defaults: bert-base-uncased's shape, 12 layers, 110M parameters). Needs torch
 and transformers (the ``dev`` extra).
 """
 from __future__ import annotations
@@ -27,19 +27,20 @@ FAMILIES = {
 
 VOCAB = 96  # the tiny sizes'
 BATCH, SEQ = 2, 8
-SIZES = ("tiny", "tiny-12", "base")
+SIZES = ("tiny", "tiny-12", "tiny-tiles", "base")
 NUM_LABELS = 3
 
 
-def tiny_config(config_cls: str, layers: int = 2):
+def tiny_config(config_cls: str, layers: int = 2, hidden: int = 32):
     import transformers
 
     cls = getattr(transformers, config_cls)
     if config_cls == "DistilBertConfig":
-        return cls(vocab_size=VOCAB, dim=32, n_layers=layers, n_heads=2, hidden_dim=64, max_position_embeddings=64)
+        return cls(vocab_size=VOCAB, dim=hidden, n_layers=layers, n_heads=2, hidden_dim=2 * hidden,
+                   max_position_embeddings=64)
     extra = {"embedding_size": 16} if config_cls == "AlbertConfig" else {}
-    return cls(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-               intermediate_size=64, max_position_embeddings=64, num_labels=NUM_LABELS, **extra)
+    return cls(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+               intermediate_size=2 * hidden, max_position_embeddings=64, num_labels=NUM_LABELS, **extra)
 
 
 def config(family: str, size: str = "tiny"):
@@ -51,7 +52,7 @@ def config(family: str, size: str = "tiny"):
     config_cls = FAMILIES[family][1]
     if size == "base":
         return getattr(transformers, config_cls)(num_labels=NUM_LABELS)
-    return tiny_config(config_cls, layers=12 if size == "tiny-12" else 2)
+    return tiny_config(config_cls, layers=12 if size == "tiny-12" else 2, hidden=64 if size == "tiny-tiles" else 32)
 
 
 def without_dropout(model):

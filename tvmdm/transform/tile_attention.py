@@ -9,7 +9,8 @@ in memory between them; a symbolic sequence could not use them at all and ran th
   tile_attention_q / _k / _v   Q, K and V (fp32 slices of the QKV output) -> bf16 bits in the tile kernel's
                                layouts (schedules.amx_attention), the keys padded with zeros to whole blocks of
                                ``KEY_BLOCK``; element-wise, so they fuse with the slices that feed them;
-  tile_attention_mask          the additive mask -> [B, L] fp32, the padded keys -inf;
+  tile_attention_mask          the additive mask -> [B, 1, L] fp32, or [B, L, L] where it has a row per query
+                               (HF's exports expand it so), the padded keys -inf;
   tile_attention               ``attention_func``: softmax(Q K^T * scale + mask) V with bf16 operands and fp32
                                accumulation, [B, L, H, D]; schedules.amx_attention gives it the tile kernel;
   cut_keys                     its rows back to the sequence (attention_padding.cut_func), then the context's
@@ -17,8 +18,8 @@ in memory between them; a symbolic sequence could not use them at all and ran th
 
 Preconditions: after the paper's pattern fusion (composites "tvmdm.sm" and "tvmdm.attention_context"), on
 ``main`` of an inference module; the pass only runs for bf16 on a CPU with AMX-BF16. A pair is left alone
-(attention_padding pads it instead) unless SM is einsum -> [* or / a constant] -> [+ a mask that varies only
-along batch and keys] -> softmax over the keys [-> NaNs to 0], its output read only by the context einsum,
+(attention_padding pads it instead) unless SM is einsum -> [* or / a constant] -> [+ a mask [B, 1, 1 or S,
+S]] -> softmax over the keys [-> NaNs to 0], its output read only by the context einsum,
 queries and keys of one length and the head dim a multiple of 32. Measured (in place, same session): base
 layer at (1, 512) 6.45 ms a layer against 7.21 with the static batched kernels, at (8, 128) and (1, 128) the
 same within the VM's noise; symbolic at (1, 512) 7.14 against 10.15.
@@ -41,21 +42,22 @@ KERNEL = "tile_attention"
 OPERANDS = tuple(f"{KERNEL}_{kind}" for kind in "qkv")  # their blocks' names
 
 
-def attention_func(heads: int, head_dim: int, scale: float) -> tirx.PrimFunc:
+def attention_func(heads: int, head_dim: int, scale: float, per_query: bool = False) -> tirx.PrimFunc:
     """(q, k, v, mask, blocks) -> out in the layouts of schedules.amx_attention's module doc, L = blocks *
-    KEY_BLOCK: the reference semantics of the tile kernel (exact exp; a row of -inf keys gives 0)."""
+    KEY_BLOCK: the reference semantics of the tile kernel (exact exp; a row of -inf keys gives 0). The mask is
+    [B, L, L] where ``per_query``, else [B, 1, L]."""
     H, D = heads, head_dim
     batch, blocks = tirx.Var("batch", "int64"), tirx.Var("blocks", "int64")
     length = blocks * KEY_BLOCK
     q = te.placeholder((batch, H, length, D), "uint16", name="q")
     k = te.placeholder((batch, H, blocks * 2, D // 2, 16, 2), "uint16", name="k")
     v = te.placeholder((batch, H, D // 16, blocks * 16, 16), "uint32", name="v")  # pairs of keys' bits
-    mask = te.placeholder((batch, length), "float32", name="mask")
+    mask = te.placeholder((batch, length if per_query else 1, length), "float32", name="mask")
     d = te.reduce_axis((0, D), name="d")
     scores = te.compute((batch, H, length, length), lambda b, h, i, j: te.sum(
         bf16_value(q[b, h, i, d]) * bf16_value(k[b, h, j // 16, d // 2, j % 16, d % 2]), axis=d), name="scores")
     logits = te.compute(scores.shape, lambda b, h, i, j: scores[b, h, i, j] * tirx.const(scale, "float32")
-                        + mask[b, j], name="logits")
+                        + mask[b, i if per_query else 0, j], name="logits")
     j = te.reduce_axis((0, length), name="j")
     top = te.compute((batch, H, length), lambda b, h, i: te.max(logits[b, h, i, j], axis=j), name="top")
     exp = te.compute(scores.shape, lambda b, h, i, j: tirx.exp(logits[b, h, i, j] - top[b, h, i]), name="exp")
@@ -70,7 +72,7 @@ def attention_func(heads: int, head_dim: int, scale: float) -> tirx.PrimFunc:
             (v[b, h, c // 16, key // 2, c % 16] >> (16 * (key % 2)).astype("uint32")).astype("uint16")), axis=key),
         name="context")
     func = te.create_prim_func([q, k, v, mask, blocks, out])
-    return private_func(func).with_attr(TILE_ATTENTION_ATTR, [H, D, tvm.runtime.convert(float(scale))]) \
+    return private_func(func).with_attr(TILE_ATTENTION_ATTR, [H, D, tvm.runtime.convert(float(scale)), int(per_query)]) \
         .with_attr("op_pattern", 8)  # a kernel of its own: nothing fuses into it
 
 
@@ -108,15 +110,22 @@ def _dims(dims) -> tuple:
                  for d, name in zip(dims, ("batch", "seq")))
 
 
+def _per_query(shape) -> bool:
+    """Whether a mask [B, 1, 1 or S, S] has a row per query."""
+    return not (isinstance(shape[2], tirx.IntImm) and int(shape[2]) == 1)
+
+
 def _mask_func(shape) -> tirx.PrimFunc:
-    """The additive mask [B, 1, 1, S] -> [B, L] fp32, the padded keys -inf."""
+    """The additive mask [B, 1, 1 or S, S] -> [B, 1 or L, L] fp32, the padded keys -inf (padded queries: 0)."""
     batch, seq = _dims(shape[0::3])
     one = tirx.IntImm("int64", 1)
-    mask = te.placeholder((batch, one, one, seq), "float32", name="mask")
-    blocks = tirx.floordiv(seq + KEY_BLOCK - 1, KEY_BLOCK)
-    out = te.compute((batch, blocks * KEY_BLOCK), lambda b, j: tirx.Select(
-        j < seq, mask[b, 0, 0, tirx.min(j, seq - 1)], tirx.const(float("-inf"), "float32")),
-        name="tile_attention_mask")
+    per_query = _per_query(shape)
+    mask = te.placeholder((batch, one, seq if per_query else one, seq), "float32", name="mask")
+    length = tirx.floordiv(seq + KEY_BLOCK - 1, KEY_BLOCK) * KEY_BLOCK
+    last = seq - 1
+    out = te.compute((batch, length if per_query else one, length), lambda b, i, j: tirx.Select(
+        j < seq, mask[b, 0, tirx.min(i, last) if per_query else 0, tirx.min(j, last)],
+        tirx.const(float("-inf"), "float32")), name="tile_attention_mask")
     return private_func(te.create_prim_func([mask, out]))
 
 
@@ -229,7 +238,8 @@ def _plan_pair(mod, sm_call, sm_var, ctx_call) -> _Pair | None:
     mask_dims = getattr(mask.ty, "shape", None)
     if out_axes is None or not isinstance(head_dim, tirx.IntImm) or int(head_dim) % 32 or mask_dims is None \
             or len(mask_dims.values) != 4 or mask.ty.dtype != "float32" \
-            or not all(isinstance(x, tirx.IntImm) and int(x) == 1 for x in mask_dims.values[1:3]) \
+            or not (isinstance(mask_dims.values[1], tirx.IntImm) and int(mask_dims.values[1]) == 1) \
+            or not (_same(mask_dims.values[2], q_len) or not _per_query(mask_dims.values)) \
             or not _same(mask_dims.values[0], batch_dim) \
             or not _same(mask_dims.values[3], k_len):
         return None
@@ -298,9 +308,13 @@ def _rewrite_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
             q, k, v = (self._operand(o, kind, length) for o, kind in ((pair.q, "q"), (pair.k, "k"), (pair.v, "v")))
             batch = q.ty.shape.values[0]
             padded = tvm.sym.Analyzer().simplify(padded_length(length))
-            mask = bb.emit(relax.call_tir(bb.add_func(_mask_func(pair.mask.ty.shape.values), "tile_attention_mask"),
-                                          [self.visit_expr(pair.mask)], relax.TensorType([batch, padded], "float32")))
-            kernel = bb.add_func(attention_func(pair.heads, pair.head_dim, pair.scale), KERNEL)
+            mask_shape = pair.mask.ty.shape.values
+            per_query = _per_query(mask_shape)
+            rows = padded if per_query else tirx.IntImm("int64", 1)
+            mask = bb.emit(relax.call_tir(bb.add_func(_mask_func(mask_shape), "tile_attention_mask"),
+                                          [self.visit_expr(pair.mask)],
+                                          relax.TensorType([batch, rows, padded], "float32")))
+            kernel = bb.add_func(attention_func(pair.heads, pair.head_dim, pair.scale, per_query), KERNEL)
             blocks = tvm.sym.Analyzer().simplify(tirx.floordiv(length + KEY_BLOCK - 1, KEY_BLOCK))
             heads, dim = (tirx.IntImm("int64", n) for n in (pair.heads, pair.head_dim))
             shape = [batch, padded, heads, dim]
