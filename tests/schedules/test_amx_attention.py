@@ -125,12 +125,13 @@ def test_heads_off_the_tiles_keep_the_papers_kernels():
     assert "sm" in compiled.kernels and "tile_attention" not in compiled.kernels
 
 
-@pytest.mark.parametrize("dynamo", [False, True])
-def test_hf_exports_masks_of_a_row_per_query_take_the_tile_kernel(hf_export, dynamo):
+@pytest.mark.parametrize("family, dynamo", [("bert", False), ("bert", True), ("distilbert", False),
+                                            ("roberta", True)])
+def test_hf_exports_masks_of_a_row_per_query_take_the_tile_kernel(hf_export, family, dynamo):
     # HF's exports expand the mask to [B, 1, S, S] and zero the NaNs of fully masked rows after the softmax
     from tvmdm.core.precision import BF16_MAX_REL_ERR
 
-    path = hf_export("bert", dynamo=dynamo, opset=18 if dynamo else 17, size="tiny-tiles")
+    path = hf_export(family, dynamo=dynamo, opset=18 if dynamo else 17, size="tiny-tiles")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         built = tvmdm.compile(path, target=SPR.target(), precision="bf16", tuning_logs=None)
