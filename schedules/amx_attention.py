@@ -73,6 +73,26 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
     per_row = int(per_query)  # 1: the mask has a row per query; 0: one row for all
     neg_inf = float("-inf")
 
+    @T.macro
+    def zero_accumulators(acc):
+        for t in T.unroll(4):
+            if emulate:
+                for r, x in T.grid(TILE_ROWS, 16):
+                    acc[t, r, x] = T.float32(0)
+            else:
+                T.evaluate(_intrin("tilezero", T.int8(ACC[0] + t)))
+
+    @T.macro
+    def tile_products(acc, a_tiles, b_tiles):  # accumulator t += A tile t // 2 times B tile t % 2
+        for t in T.unroll(4):
+            if emulate:
+                for m, x, j, p in T.grid(TILE_ROWS, 16, 16, 2):
+                    acc[t, m, x] = acc[t, m, x] + bf16_value(a_tiles[t // 2, m, j * 2 + p]) * \
+                        bf16_value(b_tiles[t % 2, j, x * 2 + p])
+            else:
+                T.evaluate(_intrin("tdpbf16ps", T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
+                                   T.int8(B_TILES[0] + t % 2)))
+
     @T.prim_func(s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, m_h: T.handle, blocks: T.int64, o_h: T.handle):
         T.func_attr({"tirx.noalias": True})
@@ -110,12 +130,7 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                 for qb in range(blocks):
                     # scores: 32 queries x 32 keys a block, D in steps of 32
                     for kb in range(blocks):
-                        for t in T.unroll(4):
-                            if emulate:
-                                for r, x in T.grid(TILE_ROWS, 16):
-                                    acc[t, r, x] = T.float32(0)
-                            else:
-                                T.evaluate(_intrin("tilezero", T.int8(ACC[0] + t)))
+                        zero_accumulators(acc)
                         for step in range(d_steps):
                             for t in T.unroll(2):
                                 a_at = (head * (blocks * 32) + qb * 32 + t * 16) * D + step * 32
@@ -129,14 +144,7 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                                                        T.address_of(qf[a_at]), T.int64(D * 2)))
                                     T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t),
                                                        T.address_of(kf[b_at]), T.int64(TILE_BYTES)))
-                            for t in T.unroll(4):
-                                if emulate:
-                                    for m, x, j, p in T.grid(TILE_ROWS, 16, 16, 2):
-                                        acc[t, m, x] = acc[t, m, x] + bf16_value(a_tiles[t // 2, m, j * 2 + p]) * \
-                                            bf16_value(b_tiles[t % 2, j, x * 2 + p])
-                                else:
-                                    T.evaluate(_intrin("tdpbf16ps", T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
-                                                       T.int8(B_TILES[0] + t % 2)))
+                            tile_products(acc, a_tiles, b_tiles)
                         for t in T.unroll(4):
                             s_at = t // 2 * 16 * (blocks * 32) + kb * 32 + t % 2 * 16
                             if emulate:
@@ -173,12 +181,7 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                                 probs[r * (blocks * 32) + c * 16 + x] = bf16_bits(scores[r * (blocks * 32) + c * 16 + x] * row[1])
                     # context: 32 queries x 32 columns of D at a time, the keys in steps of 32
                     for cb in range(col_blocks):
-                        for t in T.unroll(4):
-                            if emulate:
-                                for r, x in T.grid(TILE_ROWS, 16):
-                                    acc[t, r, x] = T.float32(0)
-                            else:
-                                T.evaluate(_intrin("tilezero", T.int8(ACC[0] + t)))
+                        zero_accumulators(acc)
                         for kb in range(blocks):
                             for t in T.unroll(2):
                                 a_at = t * 16 * (blocks * 32) + kb * 32
@@ -193,14 +196,7 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                                                        T.address_of(probs[a_at]), T.int64((blocks * 32) * 2)))
                                     T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t),
                                                        T.address_of(vf[b_at]), T.int64(TILE_BYTES)))
-                            for t in T.unroll(4):
-                                if emulate:
-                                    for m, x, j, p in T.grid(TILE_ROWS, 16, 16, 2):
-                                        acc[t, m, x] = acc[t, m, x] + bf16_value(a_tiles[t // 2, m, j * 2 + p]) * \
-                                            bf16_value(b_tiles[t % 2, j, x * 2 + p])
-                                else:
-                                    T.evaluate(_intrin("tdpbf16ps", T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
-                                                       T.int8(B_TILES[0] + t % 2)))
+                            tile_products(acc, a_tiles, b_tiles)
                         for t in T.unroll(4):
                             o_at = ((b * (blocks * 32) + qb * 32 + t // 2 * 16) * H + h) * D + cb * 32 + t % 2 * 16
                             if emulate:

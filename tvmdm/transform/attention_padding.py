@@ -29,7 +29,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax, te, tirx
 
-from tvmdm.transform.ir import bindings_of, call_op, function_pass, rewritten
+from tvmdm.transform.ir import bindings_of, call_op, function_pass, readers_of, rewritten
 from tvmdm.transform.kernels import private_func
 
 # SM's register tile (schedules.attention: KEY_VECTORS = 2 vectors of keys): two vectors of AVX-512, four of
@@ -90,11 +90,7 @@ def _mask_params(func: relax.Function) -> set:
 def _plan(mod: tvm.IRModule, func: relax.Function) -> dict:
     """sm var -> its key length (a tirx.Var), for SM calls with a symbolic key axis read only by contexts."""
     bindings = bindings_of(func)
-    readers: dict = {}
-    for var, value in bindings.items():
-        for arg in getattr(value, "args", []):
-            if isinstance(arg, relax.Var):
-                readers.setdefault(arg, []).append(var)
+    readers = readers_of(func)
     plan = {}
     for var, value in bindings.items():
         if composite_name(mod, value) != SM:

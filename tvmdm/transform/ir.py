@@ -39,6 +39,16 @@ def users_of(func: relax.Function) -> dict:
     return counts
 
 
+def readers_of(func: relax.Function) -> dict:
+    """var -> the binding vars whose calls take it as a direct argument."""
+    readers: dict = {}
+    for var, value in bindings_of(func).items():
+        for arg in getattr(value, "args", []):
+            if isinstance(arg, relax.Var):
+                readers.setdefault(arg, []).append(var)
+    return readers
+
+
 def static_shape(expr) -> list[int] | None:
     """The concrete dims of a tensor expression, None when any is symbolic."""
     shape = getattr(expr.ty, "shape", None)

@@ -33,7 +33,7 @@ import tvm.sym
 from tvm import relax, te, tirx
 
 from tvmdm.transform.attention_padding import CONTEXT, SM, composite_name, cut_func, padded_length
-from tvmdm.transform.ir import bindings_of, call_op, function_pass, rewritten
+from tvmdm.transform.ir import bindings_of, call_op, function_pass, readers_of, rewritten
 from tvmdm.transform.kernels import bf16_bits, bf16_value, private_func
 
 KEY_BLOCK = 32  # keys of a tile block (2 tiles of 16 columns)
@@ -250,11 +250,7 @@ def _plan_pair(mod, sm_call, sm_var, ctx_call) -> _Pair | None:
 def _plan(mod: tvm.IRModule, func: relax.Function) -> dict:
     """context var -> its _Pair, for each SM read only by one context that the tile kernel takes."""
     bindings = bindings_of(func)
-    readers: dict = {}
-    for var, value in bindings.items():
-        for arg in getattr(value, "args", []):
-            if isinstance(arg, relax.Var):
-                readers.setdefault(arg, []).append(var)
+    readers = readers_of(func)
     plan = {}
     for var, value in bindings.items():
         users = readers.get(var, [])
