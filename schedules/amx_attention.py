@@ -217,9 +217,8 @@ def schedule_tile_attention(func: tirx.PrimFunc, emulate: bool = False) -> tirx.
         return None
     heads, head_dim, scale, per_query = func.attrs[TILE_ATTENTION_ATTR]
     kernel = tile_attention_kernel(int(heads), int(head_dim), float(scale), bool(int(per_query)), emulate)
-    for key, value in func.attrs.items():
-        if key != TILE_ATTENTION_ATTR:
-            kernel = kernel.with_attr(key, value)
+    for key, value in func.attrs.items():  # (its TILE_ATTENTION_ATTR too: analysis counts its flops by it)
+        kernel = kernel.with_attr(key, value)
     return kernel.with_attr("tirx.is_scheduled", True).with_attr(AMX_ATTR, not emulate)
 
 

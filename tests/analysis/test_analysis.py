@@ -149,3 +149,43 @@ def test_kernels_timed_in_place_are_the_module_calls_and_the_step_still_trains(t
     before = step.step_count
     rows = profile_in_place(step, lambda: step.step(batch), repeat=2)
     assert step.step_count == before + 3 and any(r.name.startswith("adamw") for r in rows)
+
+
+def _bf16_layer_for_tiles(target):
+    import warnings
+
+    layer = BertConfig(hidden=96, heads=3, ffn=192, batch=2, seq=45)  # heads of 32: the tile attention
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tvmdm.compile(build_encoder_layer(layer), shapes={"hidden_states": [2, 45, 96], "attention_mask": [2, 45]},
+                             target=target, precision="bf16", tuning_logs=None)
+
+
+def test_the_tile_attention_counts_as_its_two_contractions():
+    from tests.helpers.cpu_kinds import BY_NAME
+
+    report = tvmdm.analyze(_bf16_layer_for_tiles(BY_NAME["sapphirerapids"].target()))
+    (row,) = [r for r in report.rows if r.kernel == "tile_attention"]
+    length = 64  # 45 keys padded to whole blocks of 32
+    assert row.op_class == "tensor contraction" and row.flops == 4 * 2 * 3 * length * length * 32
+    # q and k bits, v pairs, the mask [B, 1, L] (the number of key blocks passed by value: no bytes); out fp32
+    assert row.bytes_read == 3 * 2 * 3 * length * 32 * 2 + 2 * length * 4
+    assert row.bytes_written == 2 * length * 3 * 32 * 4
+
+
+def test_measuring_kernels_on_tiles_asks_for_the_tile_state_first():
+    # a fresh process: nothing has asked Linux for the tile state before analyze times each kernel alone
+    # (before, its first tile instruction died with SIGILL)
+    import subprocess
+    import sys
+
+    from tvmdm.runtime import amx
+
+    if not amx.host_has_amx():
+        pytest.skip("the host has no AMX tile units: nothing to measure on them")
+    code = ("import tvmdm; from tests.analysis.test_analysis import _bf16_layer_for_tiles as make; "
+            "r = tvmdm.analyze(make('llvm'), measure=True); "
+            "print(sorted(x.kernel for x in r.rows if x.seconds and x.seconds > 0))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "'tile_attention'" in done.stdout and "bf16_gemm" in done.stdout

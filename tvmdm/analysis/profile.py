@@ -48,24 +48,45 @@ def call_sites(mod: tvm.IRModule, entry: str = "main") -> dict[str, int]:
 
 
 
-def kernel_flops(mod: tvm.IRModule, name: str) -> int:
+def kernel_flops(mod: tvm.IRModule, name: str, call=None) -> int:
+    """Flops of one call: the rule's count (FLOPS_ATTR), the attention's tile kernel's from the queries of
+    ``call`` (its signature is symbolic: 2 contractions of 2 B H L^2 D each), else TVM's estimate."""
     from tvm.s_tir.analysis import estimate_tir_flops
+    from tvmdm.transform.tile_attention import TILE_ATTENTION_ATTR
 
     func = mod[name]
     if func.attrs and FLOPS_ATTR in func.attrs:
         return int(func.attrs[FLOPS_ATTR])
+    if func.attrs and TILE_ATTENTION_ATTR in func.attrs and call is not None:
+        batch, heads, length, dim = (int(d) for d in call.args[1].fields[0].ty.shape.values)
+        return 4 * batch * heads * length * length * dim
     return int(estimate_tir_flops(tvm.IRModule({name: func})))
 
 
-def _random_args(func, device):
+def call_arg_types(call) -> list:
+    """The arguments a call_tir passes its kernel, outputs included: a tensor type each, or a scalar's value."""
+    out = list(call.ty.fields) if isinstance(call.ty, relax.TupleType) else [call.ty]
+    return [int(arg) if isinstance(arg.ty, tvm.ir.PrimType) else arg.ty for arg in call.args[1].fields] + out
+
+
+def _random_args(func, device, arg_types=None):
+    """Random arguments for ``func``: from its own (static) buffer shapes, or from ``arg_types`` (call_arg_types
+    of a call of it, static: a kernel of symbolic signature called with concrete tensors and scalars)."""
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
     rng = np.random.default_rng(0)
+    if arg_types is None:
+        specs = [([int(d) for d in info.shape], str(info.dtype)) for info in ArgInfo.from_prim_func(func)]
+    else:
+        specs = [ty if isinstance(ty, int) else ([int(d) for d in ty.shape.values], str(ty.dtype))
+                 for ty in arg_types]
     args = []
-    for info in ArgInfo.from_prim_func(func):
-        shape = [int(d) for d in info.shape]
-        dtype = str(info.dtype)
-        if dtype.startswith("int"):
+    for spec in specs:
+        if isinstance(spec, int):  # a scalar passed by value
+            args.append(spec)
+            continue
+        shape, dtype = spec
+        if dtype.startswith(("int", "uint")):
             value = rng.integers(0, 2, size=shape).astype(dtype)
         else:
             value = rng.standard_normal(shape).astype(dtype)
@@ -73,11 +94,18 @@ def _random_args(func, device):
     return args
 
 
-def time_kernel(func: tirx.PrimFunc, target, repeat: int = 5, min_repeat_ms: int = 20) -> float:
-    """Median seconds of one call of ``func`` built alone for ``target``."""
+def time_kernel(func: tirx.PrimFunc, target, repeat: int = 5, min_repeat_ms: int = 20, arg_types=None) -> float:
+    """Median seconds of one call of ``func`` built alone for ``target``. A kernel on the AMX tiles asks for the
+    process's tile state first, as a module that uses them does when it loads (else SIGILL when nothing in the
+    process has run such a module yet). ``arg_types``: call_arg_types of a call of it (see _random_args)."""
+    from schedules.amx import uses_amx
+    from tvmdm.runtime import amx
+
     device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
-    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
-    args = _random_args(func, device)
+    mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    amx.prepare(uses_amx(mod))
+    lib = tvm.compile(mod, target=target)
+    args = _random_args(func, device, arg_types)
     timer = lib.jit().time_evaluator("main", device, number=1, repeat=repeat, min_repeat_ms=min_repeat_ms)
     return float(np.median(timer(*args).results))
 

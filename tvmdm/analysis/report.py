@@ -20,7 +20,8 @@ from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT
 from tvmdm.analysis.profile import kernel_flops
 
 CONTRACTION_OPS = {"matmul", "einsum", "dense", "conv1d", "conv2d", "batch_matmul",
-                   "int8_gemm", "bf16_gemm", "packed_gemm"}  # (our rewrites' contractions: tvmdm.transform.kernels)
+                   "int8_gemm", "bf16_gemm", "packed_gemm",  # (our rewrites' contractions: tvmdm.transform.kernels)
+                   "tile_attention"}  # (the attention's two contractions and softmax: tvmdm.transform.tile_attention)
 NORMALIZATION_OPS = {"softmax", "fast_softmax", "layer_norm", "log_softmax", "group_norm", "rms_norm", "mean", "variance", "sum",
                      "max", "min", "std", "batch_norm"}
 CLASSES = ("tensor contraction", "statistical normalization", "element-wise")
@@ -35,9 +36,12 @@ def classify(ops: list[str]) -> str:
 
 
 def _tensor_bytes(ty) -> int | None:
-    """Bytes of a tensor type with static shape (None when symbolic)."""
+    """Bytes of a tensor type with static shape (None when symbolic); 0 for a scalar argument (a kernel's
+    number of key blocks, tvmdm.transform.tile_attention: passed by value, no memory moved)."""
     from tvm import tirx
 
+    if isinstance(ty, tvm.ir.PrimType):
+        return 0
     if getattr(ty, "shape", None) is None:
         return None
     dims = list(ty.shape.values)
@@ -138,7 +142,7 @@ def report_for(mod: tvm.IRModule, kernel_ops: dict[str, list[str]], source: str,
     "train_step"), in call order. ``read_fractions``: kernel -> {input index: share of that input the kernel
     reads} for inputs read in part (slices of a packed tensor)."""
     from tvmdm.transform.ir import op_name
-    from tvmdm.analysis.profile import time_kernel
+    from tvmdm.analysis.profile import call_arg_types, time_kernel
 
     call_tir = tvm.ir.Op.get("relax.call_tir")
     calls = []
@@ -156,7 +160,7 @@ def report_for(mod: tvm.IRModule, kernel_ops: dict[str, list[str]], source: str,
     for index, call in enumerate(calls):
         name = call.args[0].name_hint
         if name not in flops_cache:
-            flops_cache[name] = kernel_flops(mod, name)
+            flops_cache[name] = kernel_flops(mod, name, call)
         read = [_tensor_bytes(arg.ty) for arg in call.args[1].fields]
         for i, share in (read_fractions or {}).get(name, {}).items():
             read[i] = None if read[i] is None else int(read[i] * share)
@@ -165,7 +169,7 @@ def report_for(mod: tvm.IRModule, kernel_ops: dict[str, list[str]], source: str,
         if any(b is None for b in read + written):
             raise TvmdmError(f"{source}: kernel {name} has symbolic shapes; bind (batch, seq) to count bytes")
         if measure_target is not None and name not in times:
-            times[name] = time_kernel(mod[name], measure_target)
+            times[name] = time_kernel(mod[name], measure_target, arg_types=call_arg_types(call))
         ops = kernel_ops.get(name, [op_name(name)])
         rows.append(KernelRow(index, name, ops, classify(ops), flops_cache[name], sum(read), sum(written),
                               times.get(name)))
