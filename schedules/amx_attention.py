@@ -161,9 +161,14 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                             for x in T.vectorized(LANES):
                                 lanes[x] = T.max(lanes[x], scores[r * (blocks * 32) + c * 16 + x] * T.float32(scale)
                                                  + mask[b, (qb * 32 + r) * per_row, c * 16 + x])
-                        row[0] = T.float32(neg_inf)
-                        for x in range(LANES):
-                            row[0] = T.max(row[0], lanes[x])
+                        # the lanes' max by halves (a chain of 16 dependent scalar maxes waited on each other)
+                        for x in T.vectorized(8):
+                            lanes[x] = T.max(lanes[x], lanes[x + 8])
+                        for x in T.vectorized(4):
+                            lanes[x] = T.max(lanes[x], lanes[x + 4])
+                        for x in T.vectorized(2):
+                            lanes[x] = T.max(lanes[x], lanes[x + 2])
+                        row[0] = T.max(lanes[0], lanes[1])
                         for x in T.vectorized(LANES):
                             lanes[x] = T.float32(0)
                         for c in range(blocks * 2):
@@ -171,9 +176,13 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                                 scores[r * (blocks * 32) + c * 16 + x] = fast_exp(
                                     scores[r * (blocks * 32) + c * 16 + x] * T.float32(scale) + mask[b, (qb * 32 + r) * per_row, c * 16 + x] - row[0])
                                 lanes[x] = lanes[x] + scores[r * (blocks * 32) + c * 16 + x]
-                        row[1] = T.float32(0)
-                        for x in range(LANES):
-                            row[1] = row[1] + lanes[x]
+                        for x in T.vectorized(8):
+                            lanes[x] = lanes[x] + lanes[x + 8]
+                        for x in T.vectorized(4):
+                            lanes[x] = lanes[x] + lanes[x + 4]
+                        for x in T.vectorized(2):
+                            lanes[x] = lanes[x] + lanes[x + 2]
+                        row[1] = lanes[0] + lanes[1]
                         # a row whose keys are all masked with -inf: probabilities 0 (torch's export zeroes its NaNs)
                         row[1] = T.Select(row[0] == T.float32(neg_inf), T.float32(0), T.float32(1) / row[1])
                         for c in range(blocks * 2):
