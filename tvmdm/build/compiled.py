@@ -70,7 +70,8 @@ def compile(model, *, target="llvm", shapes: dict | None = None, tuning_logs="sh
     layout: the attention's Q/K/V/context layout under fusion="paper": "bshd" (read and written where the
     projections put them, no transposes) or "bhsd" (head-major copies, as the ONNX graph writes).
     precision: "fp32"; "bf16" (CPU): the contractions read bf16 operands with fp32 accumulation
-    (AMX tiles where the CPU has them, else AVX512-BF16; symbolic rows in whole tiles of 32); "fp16" (CUDA):
+    (AMX tiles where the CPU has them, else AVX512-BF16; symbolic rows in whole tiles of 32; with AMX the
+    attention runs as one tile kernel, tvmdm.transform.tile_attention); "fp16" (CUDA):
     they read fp16 operands (tensor cores), fp32 out;
     "bf16" on CUDA: bf16 operands (dlight has no bf16 tensor-core rule: SIMT kernels).
     Everything else stays fp32; see tvmdm.transform.precision.
