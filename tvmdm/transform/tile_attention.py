@@ -141,7 +141,7 @@ class _Pair:
     mask: relax.Expr
     heads: int
     head_dim: int
-    length: tirx.Var
+    length: tirx.PrimExpr  # the sequence: a symbolic var or a constant
     out_axes: list  # the context's output axes, as positions of the kernel's [B, L, H, D]
 
 
