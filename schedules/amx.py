@@ -100,8 +100,24 @@ def tile_config_words() -> list[int]:
     return [int.from_bytes(config[8 * i: 8 * i + 8], "little") for i in range(8)]
 
 
-def _intrin(name: str, *args):
+TILE_CONFIG = tile_config_words()
+
+
+def tile_instruction(name: str, *args):
+    """A call of LLVM's x86 intrinsic ``name`` (the tile instructions: ldtilecfg, tileloadd64, tdpbf16ps, ...)."""
     return T.call_llvm_intrin("void", f"llvm.x86.{name}", *args)
+
+
+@T.macro
+def load_tile_config(config):
+    """This thread's tile configuration (tile_config_words) from ``config``, a local buffer of 8 uint64."""
+    for word in T.unroll(8):
+        config[word] = T.uint64(0)
+    config[0] = T.uint64(TILE_CONFIG[0])  # palette
+    config[2] = T.uint64(TILE_CONFIG[2])  # bytes per row, tiles 0-3
+    config[3] = T.uint64(TILE_CONFIG[3])  # tiles 4-7
+    config[6] = T.uint64(TILE_CONFIG[6])  # rows, tiles 0-7
+    T.evaluate(tile_instruction("ldtilecfg", T.address_of(config[0])))
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,7 +131,6 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
     rows, cols = block_rows * groups, BLOCK * col_blocks
     a_count = block_rows // TILE_ROWS  # activation tiles per block; accumulators: 2 per activation tile
     half, group, k_step = k // op.group, op.group, op.k_step
-    words = tile_config_words()
     name = f"tvmdm_amx_{op.instruction}_{block_rows}x{groups}x{BLOCK}x{col_blocks}x{k}" + (
         "_emulated" if emulate else "")
 
@@ -151,13 +166,7 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
             b_tiles = T.decl_buffer((2, TILE_ROWS, LANES, group), op.w_dtype, scope="local")
             config = T.decl_buffer((8,), "uint64", scope="local")
             if not emulate:
-                for word in T.unroll(8):
-                    config[word] = T.uint64(0)
-                config[0] = T.uint64(words[0])  # palette
-                config[2] = T.uint64(words[2])  # bytes per row, tiles 0-3
-                config[3] = T.uint64(words[3])  # tiles 4-7
-                config[6] = T.uint64(words[6])  # rows, tiles 0-7
-                T.evaluate(_intrin("ldtilecfg", T.address_of(config[0])))
+                load_tile_config(config)
             for block in range(groups * col_blocks):
                 row0, col0 = block // col_blocks * block_rows, block % col_blocks * BLOCK  # its first row, column
                 for t in T.unroll(2 * a_count):  # accumulator t: block row t // 2, column t % 2
@@ -165,7 +174,7 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
                         for r, x in T.grid(TILE_ROWS, LANES):
                             acc_tiles[t, r, x] = c[row0 + t // 2 * TILE_ROWS + r, col0 + t % 2 * LANES + x]
                     else:
-                        T.evaluate(_intrin("tileloadd64", T.int8(t), c.access_ptr(
+                        T.evaluate(tile_instruction("tileloadd64", T.int8(t), c.access_ptr(
                             "r", offset=(row0 + t // 2 * TILE_ROWS) * c_stride + col0 + t % 2 * LANES),
                             T.int64(c_stride * 4)))
                 for step in range(k // k_step):
@@ -174,7 +183,7 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
                             for r, x in T.grid(TILE_ROWS, k_step):
                                 a_tiles[t, r, x] = a[row0 + t * TILE_ROWS + r, step * k_step + x]
                         else:
-                            T.evaluate(_intrin("tileloadd64", T.int8(A_TILES[0] + t), a.access_ptr(
+                            T.evaluate(tile_instruction("tileloadd64", T.int8(A_TILES[0] + t), a.access_ptr(
                                 "r", offset=(row0 + t * TILE_ROWS) * a_stride + step * k_step),
                                 T.int64(a_stride * op.a_bytes)))
                     for t in T.unroll(2):  # weight columns t * 16.., k groups step * 16..
@@ -182,7 +191,7 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
                             for r, x, p in T.grid(TILE_ROWS, LANES, group):
                                 b_tiles[t, r, x, p] = w[col0 // LANES + t, step * TILE_ROWS + r, x, p]
                         else:
-                            T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t), w.access_ptr(
+                            T.evaluate(tile_instruction("tileloadd64", T.int8(B_TILES[0] + t), w.access_ptr(
                                 "r", offset=(col0 // LANES + t) * w_stride + step * TILE_ROWS * LANES * group),
                                 T.int64(TILE_BYTES)))
                     for t in T.unroll(2 * a_count):
@@ -191,18 +200,18 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
                                 acc_tiles[t, m, x] = acc_tiles[t, m, x] + op.value(
                                     a_tiles[t // 2, m, j * group + p]) * op.value(b_tiles[t % 2, j, x, p])
                         else:
-                            T.evaluate(_intrin(op.instruction, T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
-                                               T.int8(B_TILES[0] + t % 2)))
+                            T.evaluate(tile_instruction(op.instruction, T.int8(ACC[0] + t),
+                                                        T.int8(A_TILES[0] + t // 2), T.int8(B_TILES[0] + t % 2)))
                 for t in T.unroll(2 * a_count):
                     if emulate:
                         for r, x in T.grid(TILE_ROWS, LANES):
                             c[row0 + t // 2 * TILE_ROWS + r, col0 + t % 2 * LANES + x] = acc_tiles[t, r, x]
                     else:
-                        T.evaluate(_intrin("tilestored64", T.int8(t), c.access_ptr(
+                        T.evaluate(tile_instruction("tilestored64", T.int8(t), c.access_ptr(
                             "w", offset=(row0 + t // 2 * TILE_ROWS) * c_stride + col0 + t % 2 * LANES),
                             T.int64(c_stride * 4)))
             if not emulate:
-                T.evaluate(_intrin("tilerelease"))
+                T.evaluate(tile_instruction("tilerelease"))
 
     TensorIntrin.register(name, desc, impl, override=True)
     return name

@@ -32,7 +32,8 @@ from tvm.s_tir import Schedule
 from tvm.script import tirx as T
 
 from schedules import amx
-from schedules.amx import AMX_ATTR, A_TILES, ACC, B_TILES, TILE_BYTES, TILE_ROWS, tile_config_words
+from schedules.amx import (AMX_ATTR, A_TILES, ACC, B_TILES, TILE_BYTES, TILE_ROWS, load_tile_config,
+                           tile_instruction)
 from schedules.default import inline_elementwise
 from schedules.packed import has_block
 from schedules.rule import ScheduleRule
@@ -58,10 +59,6 @@ def fast_exp(x):
     return poly * scale
 
 
-def _intrin(name: str, *args):
-    return T.call_llvm_intrin("void", f"llvm.x86.{name}", *args)
-
-
 @functools.lru_cache(maxsize=None)
 def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bool = False,
                           emulate: bool = False) -> tirx.PrimFunc:
@@ -69,7 +66,6 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
     every tile instruction as the loops it stands for (what the tile units compute, on any CPU: tests)."""
     H, D = heads, head_dim
     d_steps, col_blocks = D // 32, D // 32
-    words = tile_config_words()
     per_row = int(per_query)  # 1: the mask has a row per query; 0: one row for all
     neg_inf = float("-inf")
 
@@ -80,7 +76,7 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                 for r, x in T.grid(TILE_ROWS, 16):
                     acc[t, r, x] = T.float32(0)
             else:
-                T.evaluate(_intrin("tilezero", T.int8(ACC[0] + t)))
+                T.evaluate(tile_instruction("tilezero", T.int8(ACC[0] + t)))
 
     @T.macro
     def tile_products(acc, a_tiles, b_tiles):  # accumulator t += A tile t // 2 times B tile t % 2
@@ -90,8 +86,8 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                     acc[t, m, x] = acc[t, m, x] + bf16_value(a_tiles[t // 2, m, j * 2 + p]) * \
                         bf16_value(b_tiles[t % 2, j, x * 2 + p])
             else:
-                T.evaluate(_intrin("tdpbf16ps", T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
-                                   T.int8(B_TILES[0] + t % 2)))
+                T.evaluate(tile_instruction("tdpbf16ps", T.int8(ACC[0] + t), T.int8(A_TILES[0] + t // 2),
+                                            T.int8(B_TILES[0] + t % 2)))
 
     @T.prim_func(s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, m_h: T.handle, blocks: T.int64, o_h: T.handle):
@@ -119,13 +115,7 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                 lanes = T.decl_buffer((LANES,), "float32", scope="local")
                 row = T.decl_buffer((2,), "float32", scope="local")  # the row's max, then 1 / its sum
                 if not emulate:
-                    for word in T.unroll(8):
-                        config[word] = T.uint64(0)
-                    config[0] = T.uint64(words[0])
-                    config[2] = T.uint64(words[2])
-                    config[3] = T.uint64(words[3])
-                    config[6] = T.uint64(words[6])
-                    T.evaluate(_intrin("ldtilecfg", T.address_of(config[0])))
+                    load_tile_config(config)
                 head = b * H + h
                 for qb in range(blocks):
                     # scores: 32 queries x 32 keys a block, D in steps of 32
@@ -140,9 +130,9 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                                         a_tiles[t, r, x] = qf[a_at + r * D + x]
                                         b_tiles[t, r, x] = kf[b_at + r * 32 + x]
                                 else:
-                                    T.evaluate(_intrin("tileloadd64", T.int8(A_TILES[0] + t),
+                                    T.evaluate(tile_instruction("tileloadd64", T.int8(A_TILES[0] + t),
                                                        T.address_of(qf[a_at]), T.int64(D * 2)))
-                                    T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t),
+                                    T.evaluate(tile_instruction("tileloadd64", T.int8(B_TILES[0] + t),
                                                        T.address_of(kf[b_at]), T.int64(TILE_BYTES)))
                             tile_products(acc, a_tiles, b_tiles)
                         for t in T.unroll(4):
@@ -151,8 +141,8 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                                 for r, x in T.grid(TILE_ROWS, 16):
                                     scores[s_at + r * (blocks * 32) + x] = acc[t, r, x]
                             else:
-                                T.evaluate(_intrin("tilestored64", T.int8(ACC[0] + t), T.address_of(scores[s_at]),
-                                                   T.int64((blocks * 32) * 4)))
+                                T.evaluate(tile_instruction("tilestored64", T.int8(ACC[0] + t),
+                                                            T.address_of(scores[s_at]), T.int64((blocks * 32) * 4)))
                     # softmax of each row, in fp32, the probabilities as bf16
                     for r in range(32):
                         for x in T.vectorized(LANES):
@@ -174,7 +164,8 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                         for c in range(blocks * 2):
                             for x in T.vectorized(LANES):
                                 scores[r * (blocks * 32) + c * 16 + x] = fast_exp(
-                                    scores[r * (blocks * 32) + c * 16 + x] * T.float32(scale) + mask[b, (qb * 32 + r) * per_row, c * 16 + x] - row[0])
+                                    scores[r * (blocks * 32) + c * 16 + x] * T.float32(scale)
+                                    + mask[b, (qb * 32 + r) * per_row, c * 16 + x] - row[0])
                                 lanes[x] = lanes[x] + scores[r * (blocks * 32) + c * 16 + x]
                         for x in T.vectorized(8):
                             lanes[x] = lanes[x] + lanes[x + 8]
@@ -187,7 +178,8 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                         row[1] = T.Select(row[0] == T.float32(neg_inf), T.float32(0), T.float32(1) / row[1])
                         for c in range(blocks * 2):
                             for x in T.vectorized(LANES):
-                                probs[r * (blocks * 32) + c * 16 + x] = bf16_bits(scores[r * (blocks * 32) + c * 16 + x] * row[1])
+                                probs[r * (blocks * 32) + c * 16 + x] = bf16_bits(
+                                    scores[r * (blocks * 32) + c * 16 + x] * row[1])
                     # context: 32 queries x 32 columns of D at a time, the keys in steps of 32
                     for cb in range(col_blocks):
                         zero_accumulators(acc)
@@ -201,9 +193,9 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                                         b_tiles[t, r, x] = T.Cast("uint16", vf[b_at + r * 16 + x // 2] >> T.Cast(
                                             "uint32", 16 * (x % 2)))
                                 else:
-                                    T.evaluate(_intrin("tileloadd64", T.int8(A_TILES[0] + t),
+                                    T.evaluate(tile_instruction("tileloadd64", T.int8(A_TILES[0] + t),
                                                        T.address_of(probs[a_at]), T.int64((blocks * 32) * 2)))
-                                    T.evaluate(_intrin("tileloadd64", T.int8(B_TILES[0] + t),
+                                    T.evaluate(tile_instruction("tileloadd64", T.int8(B_TILES[0] + t),
                                                        T.address_of(vf[b_at]), T.int64(TILE_BYTES)))
                             tile_products(acc, a_tiles, b_tiles)
                         for t in T.unroll(4):
@@ -212,10 +204,10 @@ def tile_attention_kernel(heads: int, head_dim: int, scale: float, per_query: bo
                                 for r, x in T.grid(TILE_ROWS, 16):
                                     of[o_at + r * H * D + x] = acc[t, r, x]
                             else:
-                                T.evaluate(_intrin("tilestored64", T.int8(ACC[0] + t), T.address_of(of[o_at]),
-                                                   T.int64(H * D * 4)))
+                                T.evaluate(tile_instruction("tilestored64", T.int8(ACC[0] + t),
+                                                            T.address_of(of[o_at]), T.int64(H * D * 4)))
                 if not emulate:
-                    T.evaluate(_intrin("tilerelease"))
+                    T.evaluate(tile_instruction("tilerelease"))
 
     return kernel
 
@@ -233,19 +225,17 @@ def schedule_tile_attention(func: tirx.PrimFunc, emulate: bool = False) -> tirx.
 
 def schedule_tile_operand(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """A tile_attention_q / _k / _v conversion (the slices and transposes that feed it inlined): in parallel
-    over (batch, head, tile), each tile's 16 x 32 bf16 values written as one vector row at a time."""
+    over (batch, head, and the query row or the tile), each row of the output one vector (Q's row of d, a B
+    tile's row of 16 columns)."""
     sch = Schedule(func)
     name = next((n for n in OPERANDS if has_block(func, n)), None)
     if name is None:
         return None
     inline_elementwise(sch, sch.get_sblock("root"))
     loops = sch.get_loops(sch.get_sblock(name))
-    if len(loops) == 4:  # q: [B, H, L, D]
-        sch.parallel(sch.fuse(*loops[:3]))
-        sch.vectorize(loops[3])
-    else:
-        sch.parallel(sch.fuse(*loops[:3]))
-        sch.vectorize(sch.fuse(*loops[4:]))
+    sch.parallel(sch.fuse(*loops[:3]))
+    row = loops[3:] if len(loops) == 4 else loops[4:]  # q [B, H, L, D]; k, v: [B, H, tile, tile row, ...]
+    sch.vectorize(sch.fuse(*row) if len(row) > 1 else row[0])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
