@@ -3,8 +3,9 @@
 No model hub here: models are built from configs with seeded random weights, perturbed so that no two
 initializers are identical (the exporters would de-duplicate them and tie parameters in training). Sizes:
 "tiny" (hidden 32, 2 layers: the test suite's), "tiny-12" (the same with 12 layers: the test twin of BERT-base),
-"tiny-tiles" (hidden 64 in 2 heads of 32: the AMX attention kernel's whole tiles) and "base" (transformers' config defaults: bert-base-uncased's shape, 12 layers, 110M parameters). Needs torch
-and transformers (the ``dev`` extra).
+"tiny-tiles" (hidden 64 in 2 heads of 32: the AMX attention kernel's whole tiles) and "base" (transformers'
+config defaults: bert-base-uncased's shape, 12 layers, 110M parameters). Needs torch and transformers (the
+``dev`` extra).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import tvm
 from tvm import relax, tirx
 
 from tvmdm.core.options import Options
-from tvmdm.core.target import has_amx_bf16, has_amx_int8, has_avx_vnni, has_int8_dot
+from tvmdm.core.target import attention_on_matrix_units, has_amx_int8, has_avx_vnni, has_int8_dot
 from tvmdm.transform.fast_math import fast_math
 from tvmdm.transform.graph_rewrites import paper_graph_rewrites
 from tvmdm.transform.index_guards import guard_gathers
@@ -124,8 +124,8 @@ def graph_passes(options: Options, record: FusionRecord, training: TrainingFusio
                                                     annotate_codegen=False),
                    name_paper_kernels(), record_read_fractions(record.read_fractions)]
         if options.on_cpu and not options.training and not options.batched_attention:
-            if options.precision == "bf16" and has_amx_bf16(options.target):
-                passes.append(tile_attention())  # symbolic sequences on the tiles, scores to context
+            if attention_on_matrix_units(options.target, options.precision):
+                passes.append(tile_attention())  # the attention in one tile kernel, scores to context
             passes.append(pad_attention_keys())  # symbolic sequences: whole vectors of keys
     return passes
 

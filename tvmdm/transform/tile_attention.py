@@ -32,7 +32,7 @@ import tvm
 import tvm.sym
 from tvm import relax, te, tirx
 
-from tvmdm.transform.attention_padding import CONTEXT, SM, composite_name, cut_func, padded_length
+from tvmdm.transform.attention_padding import CONTEXT, SM, composite_name, cut_func
 from tvmdm.transform.ir import bindings_of, call_op, function_pass, readers_of, rewritten
 from tvmdm.transform.kernels import bf16_bits, bf16_value, private_func
 
@@ -42,6 +42,22 @@ KERNEL = "tile_attention"
 OPERANDS = tuple(f"{KERNEL}_{kind}" for kind in "qkv")  # their blocks' names
 
 
+def key_blocks(length):
+    """Blocks of KEY_BLOCK keys that hold a sequence of ``length`` (the last one padded)."""
+    return tvm.sym.Analyzer().simplify(tirx.floordiv(length + KEY_BLOCK - 1, KEY_BLOCK))
+
+
+def operand_shape(kind: str, batch, heads, blocks, dim) -> tuple:
+    """The tile kernel's layout of Q ("q": rows of d), K ("k": B tiles of 16 keys by pairs of d) or V ("v": B
+    tiles of 16 columns of d by pairs of keys, a pair in one uint32), with ``blocks`` blocks of keys."""
+    return {"q": (batch, heads, blocks * KEY_BLOCK, dim), "k": (batch, heads, blocks * 2, dim // 2, 16, 2),
+            "v": (batch, heads, dim // 16, blocks * 16, 16)}[kind]
+
+
+def operand_dtype(kind: str) -> str:
+    return "uint32" if kind == "v" else "uint16"
+
+
 def attention_func(heads: int, head_dim: int, scale: float, per_query: bool = False) -> tirx.PrimFunc:
     """(q, k, v, mask, blocks) -> out in the layouts of schedules.amx_attention's module doc, L = blocks *
     KEY_BLOCK: the reference semantics of the tile kernel (exact exp; a row of -inf keys gives 0). The mask is
@@ -49,9 +65,8 @@ def attention_func(heads: int, head_dim: int, scale: float, per_query: bool = Fa
     H, D = heads, head_dim
     batch, blocks = tirx.Var("batch", "int64"), tirx.Var("blocks", "int64")
     length = blocks * KEY_BLOCK
-    q = te.placeholder((batch, H, length, D), "uint16", name="q")
-    k = te.placeholder((batch, H, blocks * 2, D // 2, 16, 2), "uint16", name="k")
-    v = te.placeholder((batch, H, D // 16, blocks * 16, 16), "uint32", name="v")  # pairs of keys' bits
+    q, k, v = (te.placeholder(operand_shape(kind, batch, H, blocks, D), operand_dtype(kind), name=kind)
+               for kind in "qkv")
     mask = te.placeholder((batch, length if per_query else 1, length), "float32", name="mask")
     d = te.reduce_axis((0, D), name="d")
     scores = te.compute((batch, H, length, length), lambda b, h, i, j: te.sum(
@@ -72,7 +87,8 @@ def attention_func(heads: int, head_dim: int, scale: float, per_query: bool = Fa
             (v[b, h, c // 16, key // 2, c % 16] >> (16 * (key % 2)).astype("uint32")).astype("uint16")), axis=key),
         name="context")
     func = te.create_prim_func([q, k, v, mask, blocks, out])
-    return private_func(func).with_attr(TILE_ATTENTION_ATTR, [H, D, tvm.runtime.convert(float(scale)), int(per_query)]) \
+    described = [H, D, tvm.runtime.convert(float(scale)), int(per_query)]
+    return private_func(func).with_attr(TILE_ATTENTION_ATTR, described) \
         .with_attr("op_pattern", 8)  # a kernel of its own: nothing fuses into it
 
 
@@ -82,16 +98,16 @@ def _operand_func(shape, kind: str) -> tirx.PrimFunc:
     batch, seq = _dims(shape[0::2])
     heads, dim = (tirx.IntImm("int64", int(d)) for d in shape[1::2])
     x = te.placeholder((batch, heads, seq, dim), "float32", name="x")
-    blocks = tirx.floordiv(seq + KEY_BLOCK - 1, KEY_BLOCK)
+    shape = operand_shape(kind, batch, heads, key_blocks(seq), dim)
 
     def bits(b, h, key, d):
         inside = key < seq
         return tirx.Select(inside, bf16_bits(x[b, h, tirx.min(key, seq - 1), d]), tirx.const(0, "uint16"))
 
     if kind == "q":
-        out = te.compute((batch, heads, blocks * KEY_BLOCK, dim), bits, name="tile_attention_q")
+        out = te.compute(shape, bits, name="tile_attention_q")
     elif kind == "k":  # B tiles of Q K^T: 16 keys (columns) x pairs of d
-        out = te.compute((batch, heads, blocks * 2, dim // 2, 16, 2), lambda b, h, kt, dp, c, p: bits(
+        out = te.compute(shape, lambda b, h, kt, dp, c, p: bits(
             b, h, kt * 16 + c, dp * 2 + p), name="tile_attention_k")
     else:  # B tiles of P V: 16 columns of d x pairs of keys, a pair one uint32 (its first key's bits low): two
         # rows of V read as vectors make whole vectors of pairs (as [.., 16, 2] uint16 they were scattered)
@@ -99,7 +115,7 @@ def _operand_func(shape, kind: str) -> tirx.PrimFunc:
             first, second = (bits(b, h, kp * 2 + p, ct * 16 + c).astype("uint32") for p in (0, 1))
             return first | (second << tirx.const(16, "uint32"))
 
-        out = te.compute((batch, heads, dim // 16, blocks * 16, 16), pair, name="tile_attention_v")
+        out = te.compute(shape, pair, name="tile_attention_v")
     return private_func(te.create_prim_func([x, out])).with_attr("op_pattern", 2)  # fuses with Q/K/V's slice
 
 
@@ -121,7 +137,7 @@ def _mask_func(shape) -> tirx.PrimFunc:
     one = tirx.IntImm("int64", 1)
     per_query = _per_query(shape)
     mask = te.placeholder((batch, one, seq if per_query else one, seq), "float32", name="mask")
-    length = tirx.floordiv(seq + KEY_BLOCK - 1, KEY_BLOCK) * KEY_BLOCK
+    length = key_blocks(seq) * KEY_BLOCK
     last = seq - 1
     out = te.compute((batch, length if per_query else one, length), lambda b, i, j: tirx.Select(
         j < seq, mask[b, 0, tirx.min(i, last) if per_query else 0, tirx.min(j, last)],
@@ -151,14 +167,15 @@ def tile_attention() -> tvm.transform.Pass:
 
 
 def _einsum(func: relax.Function):
-    """(operands, (left labels, right labels, output labels)) of the composite's output when it is one einsum
-    chain's end (see _sm_chain), else None."""
-    found = [value for value in bindings_of(func).values() if call_op(value) == "relax.einsum"]
+    """(its var, operands, (left labels, right labels, output labels)) of the composite's one einsum, else
+    None."""
+    found = [(var, value) for var, value in bindings_of(func).items() if call_op(value) == "relax.einsum"]
     if len(found) != 1:
         return None
-    ins, out = str(found[0].attrs.subscripts).split("->")
+    var, value = found[0]
+    ins, out = str(value.attrs.subscripts).split("->")
     left, right = ins.split(",")
-    return list(found[0].args[0].fields), (left, right, out)
+    return var, list(value.args[0].fields), (left, right, out)
 
 
 def _constant(expr, args: dict):
@@ -210,10 +227,10 @@ def _plan_pair(mod, sm_call, sm_var, ctx_call) -> _Pair | None:
     sm_func, ctx_func = mod[sm_call.op], mod[ctx_call.op]
     sm_args, ctx_args = dict(zip(sm_func.params, sm_call.args)), dict(zip(ctx_func.params, ctx_call.args))
     found, context, chain = _einsum(sm_func), _einsum(ctx_func), _sm_chain(sm_func, sm_args)
-    if None in (found, context, chain) or not ctx_func.body.body.same_as(
-            next(var for var, value in bindings_of(ctx_func).items() if call_op(value) == "relax.einsum")):
+    # the context composite is its einsum alone (its output)
+    if None in (found, context, chain) or not ctx_func.body.body.same_as(context[0]):
         return None
-    (left, right), (a, b, out) = found
+    _, (left, right), (a, b, out) = found
     batch, heads, query, key = out
     batch_dim, head_dim_h, q_len, k_len = sm_var.ty.shape.values
     contracted = set(a) & set(b) - set(out)
@@ -224,7 +241,7 @@ def _plan_pair(mod, sm_call, sm_var, ctx_call) -> _Pair | None:
     if key in a:  # the keys' operand first
         (left, a), (right, b) = (right, b), (left, a)
     q_perm, k_perm = _perm(a, (batch, heads, query, d)), _perm(b, (batch, heads, key, d))
-    (probs, values), (pa, va, ctx_out) = context
+    _, (probs, values), (pa, va, ctx_out) = context
     if q_perm is None or k_perm is None or len(pa) != 4 or not ctx_args.get(probs, probs).same_as(sm_var):
         return None
     vd = set(va) & set(ctx_out) - set(pa)
@@ -270,7 +287,7 @@ def _rewrite_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
 
     @relax.expr_functor.mutator
     class TileAttention(relax.PyExprMutator):
-        def _operand(self, operand, kind: str, length):
+        def _operand(self, operand, kind: str, blocks):
             func, args, expr, perm = operand
             bindings = bindings_of(func)
 
@@ -287,12 +304,9 @@ def _rewrite_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
             if perm != [0, 1, 2, 3]:
                 x = self.builder_.emit(relax.op.permute_dims(x, perm))
             batch, heads, _, dim = x.ty.shape.values
-            blocks = tvm.sym.Analyzer().simplify(tirx.floordiv(length + KEY_BLOCK - 1, KEY_BLOCK))
-            shape = {"q": [batch, heads, blocks * KEY_BLOCK, dim], "k": [batch, heads, blocks * 2, dim // 2, 16, 2],
-                     "v": [batch, heads, dim // 16, blocks * 16, 16]}[kind]
+            shape = list(operand_shape(kind, batch, heads, blocks, dim))
             gv = self.builder_.add_func(_operand_func(x.ty.shape.values, kind), f"tile_attention_{kind}")
-            dtype = "uint32" if kind == "v" else "uint16"
-            return self.builder_.emit(relax.call_tir(gv, [x], relax.TensorType(shape, dtype)))
+            return self.builder_.emit(relax.call_tir(gv, [x], relax.TensorType(shape, operand_dtype(kind))))
 
         def visit_var_binding_(self, binding):
             if binding.var in dropped:
@@ -301,9 +315,10 @@ def _rewrite_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
             if pair is None:
                 return super().visit_var_binding_(binding)
             bb, length = self.builder_, pair.length
-            q, k, v = (self._operand(o, kind, length) for o, kind in ((pair.q, "q"), (pair.k, "k"), (pair.v, "v")))
+            blocks = key_blocks(length)
+            q, k, v = (self._operand(o, kind, blocks) for o, kind in ((pair.q, "q"), (pair.k, "k"), (pair.v, "v")))
             batch = q.ty.shape.values[0]
-            padded = tvm.sym.Analyzer().simplify(padded_length(length))
+            padded = blocks * KEY_BLOCK
             mask_shape = pair.mask.ty.shape.values
             per_query = _per_query(mask_shape)
             rows = padded if per_query else tirx.IntImm("int64", 1)
@@ -311,7 +326,6 @@ def _rewrite_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
                                           [self.visit_expr(pair.mask)],
                                           relax.TensorType([batch, rows, padded], "float32")))
             kernel = bb.add_func(attention_func(pair.heads, pair.head_dim, pair.scale, per_query), KERNEL)
-            blocks = tvm.sym.Analyzer().simplify(tirx.floordiv(length + KEY_BLOCK - 1, KEY_BLOCK))
             heads, dim = (tirx.IntImm("int64", n) for n in (pair.heads, pair.head_dim))
             shape = [batch, padded, heads, dim]
             out = bb.emit(relax.call_tir(kernel, [q, k, v, mask, blocks], relax.TensorType(shape, "float32")))
