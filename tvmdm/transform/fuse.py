@@ -153,6 +153,24 @@ def fusion_pipeline(options: Options, record: FusionRecord | None = None,
 
 def fuse(mod: tvm.IRModule, options: Options,
          training: TrainingFusion | None = None) -> tuple[tvm.IRModule, FusionRecord]:
-    """``mod`` fused as ``options`` say, and what fusion recorded."""
+    """``mod`` fused as ``options`` say, and what fusion recorded. CPU inference on tile units runs each
+    attention as one tile kernel; where that kernel takes none of them (heads not whole tiles: the fp32 SM is
+    left), a static module keeps them as batched matmuls on the dot products instead, as a training step does
+    (symbolic ones keep the fp32 SM, the faster of the two there)."""
     record = FusionRecord()
-    return fusion_pipeline(options, record, training)(mod), record
+    fused = fusion_pipeline(options, record, training)(mod)
+    if _attention_left_off_tiles(fused, options) and _static(mod):
+        record = FusionRecord()
+        fused = fusion_pipeline(dataclasses.replace(options, batched_attention=True), record, training)(mod)
+    return fused, record
+
+
+def _attention_left_off_tiles(fused: tvm.IRModule, options: Options) -> bool:
+    return options.on_cpu and not options.training and not options.batched_attention \
+        and attention_on_matrix_units(options.target, options.precision) \
+        and any(op_name(gv.name_hint) == "sm" for gv, f in fused.functions_items() if isinstance(f, tirx.PrimFunc))
+
+
+def _static(mod: tvm.IRModule) -> bool:
+    return all(isinstance(d, tirx.IntImm) for p in mod["main"].params
+               if getattr(p.ty, "shape", None) is not None for d in p.ty.shape.values)
