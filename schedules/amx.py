@@ -38,10 +38,12 @@ from tvm.script import tirx as T
 from schedules.default import inline_elementwise
 from schedules.packed import epilogue_into_tile, has_block
 from schedules.bf16 import has_bf16_dot
+from schedules.rows import place_partials
 from schedules.rule import FLOPS_ATTR, ScheduleRule
 from tvmdm.core.target import has_amx_bf16
 from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, VNNI
 from tvmdm.transform.kernels import GEMM_BLOCK, LANES, PAIR, bf16_value
+from tvmdm.transform.stats_into_producers import GROUP_ROWS
 
 TILE_ROWS = 16  # rows of every tile (palette 1 allows 16)
 TILE_BYTES = 64  # bytes per tile row: 32 bf16 or 16 fp32
@@ -287,11 +289,13 @@ def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False, op: TileOp = B
         copy_out = sch.get_consumers(gemm)
         for block in copy_out:  # before tensorize replaces the block they read
             sch.reverse_compute_at(block, unit)
+        place_partials(sch, unit)  # the next quantization's statistics (a unit: one block of 32 rows)
     init = sch.decompose_reduction(gemm, mi)
     sch.vectorize(sch.get_loops(init)[-1])
     sch.tensorize(mi, amx_intrin(k_extent, groups, rows, emulate, op, col_blocks))
     if static_rows:
         epilogue_into_tile(sch, acc, unit, LANES)
+        place_partials(sch, unit, covers=rows * groups % GROUP_ROWS == 0)  # the next quantization's stats
     else:
         for block in copy_out:
             inner = sch.get_loops(block)[-1]

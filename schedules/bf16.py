@@ -21,10 +21,12 @@ from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.script import tirx as T
 
 from schedules.rule import FLOPS_ATTR, ScheduleRule
+from schedules.rows import has_partials, place_partials
 from schedules.packed import epilogue_into_tile, has_block, schedule_pair_pack, schedule_tiled_transpose
 from schedules.default import inline_elementwise
 from schedules.dpbf16ps import DPBF16PS_FUNCTION, DPBF16PS_LLVM
 from tvmdm.core.target import cpu_has
+from tvmdm.transform.stats_into_producers import GROUP_ROWS
 from tvmdm.transform.kernels import BF16, GEMM_BLOCK, LANES, PAIR, TRANSPOSED_BLOCK, bf16_value
 
 INTRIN = "tvmdm_dot_16x2_bf16"
@@ -104,12 +106,17 @@ def schedule_dot_gemm(func: tirx.PrimFunc, block: str, intrin: str, llvm_ir: str
     rows = rows or (_divisor(int(sch.get(m).extent), (4, 8, 6, 2, 1)) if static_rows else 4)
     vectors = vectors or _divisor(n_extent // lanes, (4, 3, 2, 1))
     k_block = k_block if k_extent % k_block == 0 else k_extent
+    m_extent = int(sch.get(m).extent) if static_rows else None
     mo, mi = sch.split(m, [None, rows])
     no, nv, ni = sch.split(n, [None, vectors, lanes])
     ko, kp, ki = sch.split(k, [None, k_block // group, group])
-    sch.reorder(no, *outer, mo, ko, kp, mi, nv, ni, ki)
-    tile = sch.fuse(no, *outer, mo)
-    sch.parallel(tile)
+    # a quantized model's next quantization statistics: a task of whole groups of their rows, tile by tile
+    grouped = static_rows and has_partials(sch) and m_extent % GROUP_ROWS == 0 and GROUP_ROWS % rows == 0
+    groups = sch.split(mo, [None, GROUP_ROWS // rows]) if grouped else [mo]
+    sch.reorder(no, *outer, *groups, ko, kp, mi, nv, ni, ki)
+    task = sch.fuse(no, *outer, groups[0])
+    tile = groups[-1] if grouped else task
+    sch.parallel(task)
     if static_rows:
         acc = sch.cache_write(gemm, 0, "local")
         sch.reverse_compute_at(acc, tile)
@@ -123,8 +130,9 @@ def schedule_dot_gemm(func: tirx.PrimFunc, block: str, intrin: str, llvm_ir: str
     sch.unroll(nv)
     sch.tensorize(ni, intrin)
     if llvm_ir is not None:
-        sch.annotate(tile, "pragma_import_llvm", llvm_ir)
+        sch.annotate(task, "pragma_import_llvm", llvm_ir)
     sch.vectorize(sch.get_loops(init)[-1])
+    place_partials(sch, task, covers=grouped)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 

@@ -25,6 +25,7 @@ from schedules.default import inline_elementwise, tile_dividing
 from schedules.transposes import tile_transpose
 from tvmdm.transform.kernels import FP32_GEMM_BLOCK, FP32_PACK_BLOCK as PACK_BLOCK, TRANSPOSED_ROWS_BLOCK
 from tvmdm.core.target import vector_lanes
+from tvmdm.transform.ir import has_block  # noqa: F401 - the rules' import of it
 
 # rows per register tile, by vector lanes (AVX-512: 8 x 3 accumulators of 32 registers); each divides
 # precision.ROW_PAD, the tile symbolic rows are padded to
@@ -162,14 +163,6 @@ def schedule_tiled_transpose(func: tirx.PrimFunc, block_name: str, tile: int = T
         sch.compute_inline(producer)
     sch.unroll(tile_transpose(sch, block, tile))
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
-
-
-def has_block(func: tirx.PrimFunc, name: str) -> bool:
-    try:
-        Schedule(func).get_sblock(name)
-        return True
-    except Exception:  # noqa: BLE001 - get_sblock raises when there is no such block
-        return False
 
 
 class PackedContractions(ScheduleRule):

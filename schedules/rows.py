@@ -14,9 +14,12 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.s_tir import Schedule
 
-from schedules.rule import ScheduleRule
+from schedules.rule import DOES_NOT_FIT, ScheduleRule, log
 from tvmdm.core.target import vector_lanes
 from tvmdm.transform.row_reductions import EXTREMA
+from tvmdm.transform.ir import has_block
+from tvmdm.transform.kernels import LANES
+from tvmdm.transform.stats_into_producers import PARTIALS
 from schedules.default import inline_elementwise, tile_dividing
 
 ROW_TILE = 4  # rows per task: a few KB of each input, in L1 across the reductions
@@ -43,7 +46,7 @@ def _row_blocks(sch, lanes: int) -> list[str] | None:
     """The block names when the kernel is a row-wise normalization over a last axis that ``lanes`` divides:
     reductions over the last axis alone (the output's leading axes, maybe a kept axis of 1), then one
     element-wise block; else None."""
-    names = inline_elementwise(sch, sch.get_sblock("root"))
+    names = [n for n in inline_elementwise(sch, sch.get_sblock("root")) if n != PARTIALS]
     if len(names) < 2:
         return None
     last = sch.get(sch.get_sblock(names[-1]))
@@ -96,7 +99,9 @@ def schedule_row_normalization(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc
     if names is None:
         return None
     column = reductions_in_row_tiles(sch, names[:-1], names[-1], lanes)
+    row = sch.get_loops(sch.get_sblock(names[-1]))[-2]
     sch.vectorize(sch.split(column, [None, lanes])[1])
+    place_partials(sch, row)  # a quantized model's next quantization statistics, each row after it is written
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
@@ -135,6 +140,53 @@ def schedule_row_extrema(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | Non
     reductions_in_row_tiles(sch, names[:-1], names[-1], lanes)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
+
+# The partial extrema a quantized model's producer writes for the next DynamicQuantizeLinear (tvmdm.transform.
+# stats_into_producers), placed in the producer's schedule: under its unit loop, right after the unit wrote its
+# output (still in L1), else (a unit that does not cover whole groups of rows) as a parallel pass of their own
+# in the same kernel, which reads what the row_extrema kernel they replace read.
+
+
+def has_partials(sch: Schedule) -> bool:
+    return has_block(sch.mod["main"], PARTIALS)
+
+
+def _vector_steps(sch: Schedule):
+    """The partials as an outer block (returned) over an inner one that takes the maxima of its rows (a
+    group's rows, or a row's vectors) a vector at a time: element-wise, no shuffles. The outer block's reads
+    are whole slices of the output (its indices one variable each), as reverse_compute_at needs."""
+    block = sch.get_sblock(PARTIALS)
+    slot, *middle, vector, reduction = sch.get_loops(block)
+    grouped = int(sch.get(vector).extent) != LANES  # a group's rows (else a row's vectors)
+    if grouped:  # its columns in vectors: the outer block one vector of columns over the group's rows
+        columns, vector = sch.split(vector, [None, LANES])
+        middle.append(columns)
+    sch.reorder(*middle, reduction, slot, vector)  # the max and the negated min of each vector read once
+    sch.unroll(slot)
+    sch.vectorize(vector)
+    return sch.blockize(reduction if grouped else slot)  # (a row: the outer block one vector of the row)
+
+
+def place_partials(sch: Schedule, at, covers: bool = True) -> None:
+    """The partials under loop ``at`` (the producer's unit, after its output is written) where the unit
+    ``covers`` whole rows, or whole groups of GROUP_ROWS rows (a unit that does not would read rows another
+    unit has not written); else, or where TVM cannot move them there, alone."""
+    if not has_partials(sch):
+        return
+    outer = _vector_steps(sch)
+    if covers:
+        try:  # a primitive that raises leaves the schedule as it was
+            sch.reverse_compute_at(outer, at)
+            return
+        except DOES_NOT_FIT as err:
+            log.debug("quantization statistics not under the producer's unit, a pass of their own: %s",
+                      str(err).strip().splitlines()[-1])
+    _in_parallel(sch, outer)
+
+
+def _in_parallel(sch: Schedule, outer) -> None:
+    loops = sch.get_loops(outer)
+    sch.parallel(sch.fuse(*loops) if len(loops) > 1 else loops[0])
 
 class RowNormalizations(ScheduleRule):
     """Row-wise normalizations (LayerNorm, BDRLN, softmax, BLNRD) and lone row reductions, a tile of rows per

@@ -35,6 +35,7 @@ from tvmdm.transform.attention_padding import pad_attention_keys, whole_block_ke
 from tvmdm.transform.quantized import int8_contractions
 from tvmdm.transform.tile_attention import tile_attention
 from tvmdm.transform.row_reductions import rows_then_whole
+from tvmdm.transform.stats_into_producers import stats_into_producers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,8 @@ def fusion_pipeline(options: Options, record: FusionRecord | None = None,
         if options.fusion == "paper":
             passes.append(inline_pattern_kernels(FORWARD_KERNELS + tuple(name for name, _ in training.patterns)))
             passes.append(whole_block_kernels())
+        if options.on_cpu:  # quantized models: DynamicQuantizeLinear's max / min by the activation's producer
+            passes.append(stats_into_producers(record.kernel_ops))
     else:
         passes.append(record_kernel_ops(record.kernel_ops))
     # A kernel that only reshapes becomes a view (as relax.build would do): no bytes move.

@@ -6,6 +6,7 @@ import re
 
 import tvm
 from tvm import relax, tirx
+from tvm.s_tir import Schedule
 
 
 def call_op(value) -> str | None:
@@ -80,6 +81,15 @@ def rewritten(mod: tvm.IRModule, name: str, mutator) -> tvm.IRModule:
     out = tvm.IRModule(dict(mutator.builder_.get().functions.items()), attrs=mod.attrs)
     out[name] = relax.Function(func.params, body, func.ret_ty, attrs=func.attrs)
     return out
+
+
+def has_block(func: tirx.PrimFunc, name: str) -> bool:
+    """Whether PrimFunc ``func`` has a block named ``name``."""
+    try:
+        Schedule(func).get_sblock(name)
+        return True
+    except Exception:  # noqa: BLE001 - get_sblock raises when there is no such block
+        return False
 
 
 def op_name(prim_func_name: str) -> str:

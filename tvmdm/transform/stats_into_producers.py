@@ -1,0 +1,218 @@
+"""DynamicQuantizeLinear's statistics computed by the kernel that produces the activation.
+
+Before every int8 contraction of a dynamically quantized model, DynamicQuantizeLinear takes the max and the min
+of its whole input x (rows_then_whole: one ``row_extrema`` kernel reading x, then a max over its rows), and
+then quantizes x (a second read). x was written just before by one kernel: the LayerNorm (BDRLN) before QKV and
+FFN1, the FFN1 contraction with its bias and GELU before FFN2. Here that kernel also writes partial extrema of
+what it produces, while its output is still in the core's cache, and the row_extrema kernel's pass over x from
+memory is gone (BERT-base's FFN1 output at (8, 128): 12.6 MB).
+
+The partials are laid out for the producer's unit of work:
+  a row-wise kernel (LayerNorm: a row at a time) - each row's max and negated min, [2, rows...];
+  an int8 contraction (a tile of rows by a few columns at a time) - the max and negated min of each column
+      over groups of GROUP_ROWS rows (GROUP_ROWS divides the tile units' rows), [2, lead..., groups, N]: only
+      element-wise vector max across rows, no horizontal reduction per tile;
+then one small kernel reduces the columns of each group (``row_max``) and one the rest (``extrema_of_partials``)
+to the [2] the quantization reads (max, -min): the same numbers as before, max and min being exact in any order.
+The schedules (schedules.quantize_stats) compute the partials under the producer's unit loop, or, where they
+cannot, as a parallel pass of their own in the same kernel.
+
+Preconditions: after FuseTIR (the producer a fused PrimFunc with one output; row_extrema kernels made by
+rows_then_whole, each read by one whole max); CPU targets. Producers of other kinds keep row_extrema.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax, te, tirx
+
+from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK
+from tvmdm.transform.ir import bindings_of, has_block, rewritten
+from tvmdm.transform.kernels import LANES, int64_dims, lead_dims, private_func
+from tvmdm.transform.row_reductions import EXTREMA
+
+PARTIALS = "extrema_partials"  # the producer's block of partial extrema (schedules.quantize_stats)
+GROUP_ROWS = 32  # rows per partial of a contraction's output (schedules.amx's blocks of rows are 32 or 128)
+ROW_STATS_KERNELS = ("layer_norm", "bdrln")  # row-wise producers (op names of their kernels)
+
+
+def _signed(c, value):
+    """The value for slot ``c``: itself for the max (0), negated for the min (1)."""
+    return tirx.Select(c == 0, value, -value)
+
+
+def partials_shape(shape, group_rows: int | None) -> list:
+    """The partials' shape for a producer's output of ``shape`` [lead..., rows, N]: [2, lead..., rows, LANES]
+    for a row-wise producer (``group_rows`` None), [2, lead..., ceil(rows / group_rows), N] for a contraction."""
+    *lead, rows, n = shape
+    if group_rows is None:
+        return [2, *lead, rows, LANES]
+    return [2, *lead, (rows + group_rows - 1) // group_rows, n]
+
+
+def extrema_partials_func(shape, group_rows: int | None) -> tirx.PrimFunc:
+    """y [lead..., rows, N] (fp32) -> its partial extrema (partials_shape): slot 0 the max, slot 1 the max of
+    -y; of each row's every LANES-th value (``group_rows`` None: a vector's worth of maxima a row, no horizontal
+    steps), or of each column over every ``group_rows`` rows (rows past the end of a last, shorter group left
+    out). Either way the reduction is the last axis, the vector the one before."""
+    *lead, n = shape
+    lead = lead_dims(lead)
+    *outer, rows = lead
+    y = te.placeholder(lead + int64_dims((n,)), "float32", name="y")
+    zero = tirx.IntImm("int64", 0)
+    if group_rows is None:
+        lanes = tirx.IntImm("int64", LANES)
+        k = te.reduce_axis((zero, tirx.IntImm("int64", int(n) // LANES)), name="k")
+        out = te.compute(int64_dims((2,)) + lead + (lanes,),
+                         lambda c, *i: te.max(_signed(c, y(*i[:-1], k * lanes + i[-1])), axis=k), name=PARTIALS)
+    else:
+        size = tirx.IntImm("int64", group_rows)
+        r = te.reduce_axis((zero, size), name="r")
+        whole = isinstance(rows, tirx.IntImm) and int(rows) % group_rows == 0
+
+        def partial(c, *index):
+            *o, g, j = index
+            row = g * size + r
+            value = _signed(c, y(*o, row, j))
+            if not whole:  # rows past the end are not read: the max's identity instead
+                value = tirx.if_then_else(row < rows, value, tirx.min_value("float32"))
+            return te.max(value, axis=r)
+
+        groups = (rows + size - 1) // size
+        out = te.compute(int64_dims((2,)) + tuple(outer) + (groups,) + int64_dims((n,)), partial, name=PARTIALS)
+    return private_func(te.create_prim_func([y, out]))
+
+
+def _max_over(shape, axes_kept: int, name: str) -> tirx.PrimFunc:
+    """x of ``shape`` -> its max over all axes after the first ``axes_kept``."""
+    dims = lead_dims(shape)
+    x = te.placeholder(dims, "float32", name="x")
+    reduce = [te.reduce_axis((tirx.IntImm("int64", 0), d), name=f"k{i}") for i, d in enumerate(dims[axes_kept:])]
+    out = te.compute(dims[:axes_kept], lambda *i: te.max(x(*i, *reduce), axis=reduce), name=name)
+    return private_func(te.create_prim_func([x, out]))
+
+
+def _producer_kind(func: tirx.PrimFunc, name: str) -> int | None | bool:
+    """GROUP_ROWS for a contraction, None for a row-wise kernel, False for a kernel this pass leaves alone."""
+    if has_block(func, INT8_GEMM_BLOCK):
+        return GROUP_ROWS
+    if any(name.startswith(k) for k in ROW_STATS_KERNELS):
+        return None
+    return False
+
+
+def _is_row_extrema(func) -> bool:
+    return isinstance(func, tirx.PrimFunc) and has_block(func, EXTREMA)
+
+
+def stats_into_producers(provenance: dict | None = None) -> tvm.transform.Pass:
+    """Each row_extrema kernel whose input a contraction or a row-wise kernel produces -> that kernel with the
+    partial extrema as a second output, and the reductions of the partials (see the module doc).
+    ``provenance`` (fusion's kernel -> ops record), if given, learns the merged kernels' ops."""
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmdm.StatsIntoProducers")
+    def run(mod, _ctx):
+        merged = False
+        for gv, func in list(mod.functions_items()):
+            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
+                mod, changed = _rewrite(mod, gv.name_hint, provenance if provenance is not None else {})
+                merged = merged or changed
+        if not merged:
+            return mod
+        return relax.transform.DeadCodeElimination()(relax.transform.FuseTIR()(mod))
+
+    return run
+
+
+def _pairs(mod: tvm.IRModule, func: relax.Function) -> dict:
+    """row_extrema binding var -> (its input's call_tir, the whole max reading it, the producer's kind)."""
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    bindings = bindings_of(func)
+    readers: dict = {}  # var -> the call_tir bindings that take it
+    for var, value in bindings.items():
+        if isinstance(value, relax.Call) and value.op.same_as(call_tir):
+            for arg in value.args[1].fields:
+                readers.setdefault(arg, []).append(var)
+    found = {}
+    for var, value in bindings.items():
+        if not (isinstance(value, relax.Call) and value.op.same_as(call_tir) and _is_row_extrema(mod[value.args[0]])):
+            continue
+        source = value.args[1].fields[0]
+        produced = bindings.get(source)
+        users = readers.get(var, [])
+        if not (isinstance(produced, relax.Call) and produced.op.same_as(call_tir)) or len(users) != 1:
+            continue
+        producer = mod[produced.args[0]]
+        if len(producer.params) - len(produced.args[1].fields) - (len(produced.args) > 2) != 1:
+            continue  # one output
+        kind = _producer_kind(producer, produced.args[0].name_hint)
+        width = source.ty.shape.values[-1] if source.ty.shape is not None else None
+        if kind is not False and str(source.ty.dtype) == "float32" and isinstance(width, tirx.IntImm) \
+                and int(width) % LANES == 0:
+            found[var] = (source, users[0], kind)
+    return found
+
+
+def _rewrite(mod: tvm.IRModule, name: str, provenance: dict) -> tuple[tvm.IRModule, bool]:
+    func = mod[name]
+    pairs = _pairs(mod, func)
+    if not pairs:
+        return mod, False
+
+    @relax.expr_functor.mutator
+    class Merge(relax.PyExprMutator):
+        def __init__(self, mod):
+            super().__init__(mod)
+            self.partials = {}  # producer output var -> its partials (new var)
+            self.outputs = {}  # producer output var -> the merged call's first field
+
+        def visit_var_binding_(self, binding):
+            var = binding.var
+            extrema = next((p for p in pairs.values() if p[0].same_as(var)), None)
+            if extrema is not None:
+                self._merge(binding, extrema[2])
+                return None
+            if var in pairs:
+                return None  # row_extrema: its reader now reduces the partials
+            whole = next((k for k, p in pairs.items() if p[1].same_as(var)), None)
+            if whole is not None:
+                self.set_var_remap(var, self._reduced(self.partials[pairs[whole][0]]))
+                return None
+            return super().visit_var_binding_(binding)
+
+        def _merge(self, binding, kind):
+            """The producer's call -> a call of a Primitive function of it and the partials (FuseTIR makes
+            them one kernel). The producer's symbolic scalars (post-FuseTIR: PrimValues among its arguments)
+            reach the function as one shape parameter, which defines them there."""
+            call = binding.value
+            shape = list(binding.var.ty.shape.values)
+            p_ty = relax.TensorType(partials_shape(shape, kind), "float32")
+            partial_kernel = self.builder_.add_func(extrema_partials_func(shape, kind), PARTIALS)
+            args = [self.visit_expr(a) for a in call.args[1].fields]
+            tensors = [a for a in args if not isinstance(a.ty, tvm.ir.PrimType)]
+            scalars = [a for a in args if isinstance(a.ty, tvm.ir.PrimType)]  # symbolic dims
+            params = {a: relax.Var(f"arg{i}", a.ty) for i, a in enumerate(tensors)}
+            shape_param = [relax.Var("tir_vars", relax.ShapeType(scalars))] if scalars else []
+            inner = [params.get(a, a) for a in args]
+            name = f"{call.args[0].name_hint}_stats"
+            bb = relax.BlockBuilder()
+            with bb.function(name, list(params.values()) + shape_param, {"Primitive": True}):
+                with bb.dataflow():
+                    y = bb.emit(relax.call_tir(call.args[0], inner, binding.var.ty))
+                    out = bb.emit_output(relax.Tuple([y, bb.emit(relax.call_tir(partial_kernel, [y], p_ty))]))
+                bb.emit_func_output(out)
+            gv = self.builder_.add_func(bb.get()[name], name)
+            provenance[gv.name_hint] = provenance.get(call.args[0].name_hint, []) + ["row_extrema"]
+            both = self.builder_.emit(relax.Call(gv, tensors + ([relax.ShapeExpr(scalars)] if scalars else [])))
+            self.set_var_remap(binding.var, self.builder_.emit(relax.TupleGetItem(both, 0)))
+            self.partials[binding.var] = (self.builder_.emit(relax.TupleGetItem(both, 1)),
+                                          partials_shape(shape, kind))
+
+        def _reduced(self, partials):
+            partials, shape = partials  # the last axis first (a row reduction), then the rest
+            rows = self.builder_.add_func(_max_over(shape, len(shape) - 1, "row_max"), "row_max")
+            partials = self.builder_.emit(relax.call_tir(rows, [partials], relax.TensorType(shape[:-1], "float32")))
+            shape = shape[:-1]
+            whole = self.builder_.add_func(_max_over(shape, 1, "extrema"), "extrema_of_partials")
+            return self.builder_.emit(relax.call_tir(whole, [partials], relax.TensorType([2], "float32")))
+
+    return rewritten(mod, name, Merge(mod)), True
