@@ -36,7 +36,7 @@ from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.script import tirx as T
 
 from schedules.default import inline_elementwise
-from schedules.packed import epilogue_into_tile, has_block
+from schedules.packed import epilogue_into_tile
 from schedules.bf16 import has_bf16_dot
 from schedules.rows import place_partials
 from schedules.rule import FLOPS_ATTR, ScheduleRule
@@ -44,6 +44,7 @@ from tvmdm.core.target import has_amx_bf16
 from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK, VNNI
 from tvmdm.transform.kernels import GEMM_BLOCK, LANES, PAIR, bf16_value
 from tvmdm.transform.stats_into_producers import GROUP_ROWS
+from tvmdm.transform.ir import has_block
 
 TILE_ROWS = 16  # rows of every tile (palette 1 allows 16)
 TILE_BYTES = 64  # bytes per tile row: 32 bf16 or 16 fp32

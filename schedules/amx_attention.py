@@ -35,11 +35,11 @@ from schedules import amx
 from schedules.amx import (AMX_ATTR, A_TILES, ACC, B_TILES, TILE_BYTES, TILE_ROWS, load_tile_config,
                            tile_instruction)
 from schedules.default import inline_elementwise
-from schedules.packed import has_block
 from schedules.rule import ScheduleRule
 from tvmdm.core.target import has_amx_bf16
 from tvmdm.transform.kernels import bf16_bits, bf16_value
 from tvmdm.transform.tile_attention import OPERANDS, TILE_ATTENTION_ATTR
+from tvmdm.transform.ir import has_block
 
 LANES = 16  # fp32 lanes of a zmm register: the softmax's vectors
 LOG2E = 1.4426950408889634

@@ -22,12 +22,13 @@ from tvm.script import tirx as T
 
 from schedules.rule import FLOPS_ATTR, ScheduleRule
 from schedules.rows import has_partials, place_partials
-from schedules.packed import epilogue_into_tile, has_block, schedule_pair_pack, schedule_tiled_transpose
+from schedules.packed import epilogue_into_tile, schedule_pair_pack, schedule_tiled_transpose
 from schedules.default import inline_elementwise
 from schedules.dpbf16ps import DPBF16PS_FUNCTION, DPBF16PS_LLVM
 from tvmdm.core.target import cpu_has
 from tvmdm.transform.stats_into_producers import GROUP_ROWS
 from tvmdm.transform.kernels import BF16, GEMM_BLOCK, LANES, PAIR, TRANSPOSED_BLOCK, bf16_value
+from tvmdm.transform.ir import has_block
 
 INTRIN = "tvmdm_dot_16x2_bf16"
 CPU_FEATURE = "avx512bf16"  # LLVM's name; /proc/cpuinfo says avx512_bf16

@@ -33,10 +33,10 @@ from schedules import amx
 from schedules.bf16 import register_dot_intrin, schedule_dot_gemm
 from schedules.default import inline_elementwise, tile_dividing
 from schedules.dpbf16ps import llvm_dot_function
-from schedules.packed import has_block
 from schedules.rule import DOES_NOT_FIT, FLOPS_ATTR, ScheduleRule
 from tvmdm.core.target import has_amx_int8, has_avx_vnni, has_int8_dot
 from tvmdm.transform.int8_kernels import BYTE_PAIRS, INT8_GEMM_BLOCK, REORDER_BLOCK, VNNI, WIDE
+from tvmdm.transform.ir import has_block
 
 INTRIN = "tvmdm_dot_16x4_u8s8"
 K_BLOCK = 512  # accumulate over this much of K before moving on (as the bf16 kernel's 256: the same bytes)

@@ -25,7 +25,6 @@ from schedules.default import inline_elementwise, tile_dividing
 from schedules.transposes import tile_transpose
 from tvmdm.transform.kernels import FP32_GEMM_BLOCK, FP32_PACK_BLOCK as PACK_BLOCK, TRANSPOSED_ROWS_BLOCK
 from tvmdm.core.target import vector_lanes
-from tvmdm.transform.ir import has_block  # noqa: F401 - the rules' import of it
 
 # rows per register tile, by vector lanes (AVX-512: 8 x 3 accumulators of 32 registers); each divides
 # precision.ROW_PAD, the tile symbolic rows are padded to
