@@ -68,16 +68,20 @@ def fresh_venv(tmp_path_factory):
     # checkout's editable install stays invisible there
     with open(os.path.join(site, "deps.pth"), "w") as f:
         f.write(sysconfig.get_path("purelib") + "\n")
+    # without PYTHONPATH: a checkout on it (its tvmdm.egg-info) reads as tvmdm installed, and pip skips the wheel
     installed = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q",
-                                str(wheel)], capture_output=True, text=True, timeout=600)
+                                str(wheel)], capture_output=True, text=True, timeout=600, env=_without_pythonpath())
     assert installed.returncode == 0, installed.stderr[-3000:]
     return python, site, tmp
 
 
+def _without_pythonpath() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def _run(python, code_or_args, cwd, *args, timeout=600):
     argv = [python, "-c", code_or_args, *args] if isinstance(code_or_args, str) else [python, *code_or_args]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+    return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=_without_pythonpath(), timeout=timeout)
 
 
 @pytest.mark.slow
