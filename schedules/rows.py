@@ -151,13 +151,21 @@ def has_partials(sch: Schedule) -> bool:
     return has_block(sch.mod["main"], PARTIALS)
 
 
+def _over_rows(block) -> bool:
+    """Whether the partials reduce over a group's rows (a contraction's), not over a row's vectors: the
+    output's column index does not depend on the reduction."""
+    reduction = block.iter_vars[-1].var
+    column = block.reads[-1].region[-1].min
+    return not any(v.same_as(reduction) for v in tirx.analysis.undefined_vars(column))
+
+
 def _vector_steps(sch: Schedule):
     """The partials as an outer block (returned) over an inner one that takes the maxima of its rows (a
     group's rows, or a row's vectors) a vector at a time: element-wise, no shuffles. The outer block's reads
     are whole slices of the output (its indices one variable each), as reverse_compute_at needs."""
     block = sch.get_sblock(PARTIALS)
     slot, *middle, vector, reduction = sch.get_loops(block)
-    grouped = int(sch.get(vector).extent) != LANES  # a group's rows (else a row's vectors)
+    grouped = _over_rows(sch.get(block))  # a group's rows (else a row's vectors)
     if grouped:  # its columns in vectors: the outer block one vector of columns over the group's rows
         columns, vector = sch.split(vector, [None, LANES])
         middle.append(columns)
@@ -193,7 +201,7 @@ def _alone(sch: Schedule) -> None:
     block = sch.get_sblock(PARTIALS)
     slot, *rows, vector, reduction = sch.get_loops(block)
     columns = []
-    if int(sch.get(vector).extent) != LANES:  # a group's columns, in vectors
+    if _over_rows(sch.get(block)):  # a group's columns, in vectors
         column, vector = sch.split(vector, [None, LANES])
         columns = [column]
     sch.reorder(*rows, reduction, *columns, slot, vector)

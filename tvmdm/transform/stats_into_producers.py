@@ -7,15 +7,14 @@ FFN1, the FFN1 contraction with its bias and GELU before FFN2. Here that kernel 
 what it produces, while its output is still in the core's cache, and the row_extrema kernel's pass over x from
 memory is gone (BERT-base's FFN1 output at (8, 128): 12.6 MB).
 
-The partials are laid out for the producer's unit of work:
-  a row-wise kernel (LayerNorm: a row at a time) - each row's max and negated min, [2, rows...];
-  an int8 contraction (a tile of rows by a few columns at a time) - the max and negated min of each column
-      over groups of GROUP_ROWS rows (GROUP_ROWS divides the tile units' rows), [2, lead..., groups, N]: only
-      element-wise vector max across rows, no horizontal reduction per tile;
-then one small kernel reduces the columns of each group (``row_max``) and one the rest (``extrema_of_partials``)
-to the [2] the quantization reads (max, -min): the same numbers as before, max and min being exact in any order.
-The schedules (schedules.quantize_stats) compute the partials under the producer's unit loop, or, where they
-cannot, as a parallel pass of their own in the same kernel.
+The partials are laid out for the producer's unit of work, so that it takes only element-wise vector maxima:
+  a row-wise kernel (LayerNorm: a row at a time) - each row's maxima a vector wide, [2, rows..., LANES];
+  an int8 contraction (a tile of rows by a few columns at a time) - each column's over groups of GROUP_ROWS
+      rows (GROUP_ROWS divides the tile units' rows), [2, lead..., groups, N];
+slot 0 the max, slot 1 the max of -x. Then one small kernel reduces their last axis (``row_max``) and one the
+rest (``extrema_of_partials``) to the [2] the quantization reads: the same numbers as before, max and min being
+exact in any order. The schedules (schedules.rows.place_partials) compute the partials under the producer's
+unit loop, or, where they cannot, as a parallel pass of their own in the same kernel.
 
 Preconditions: after FuseTIR (the producer a fused PrimFunc with one output; row_extrema kernels made by
 rows_then_whole, each read by one whole max); CPU targets. Producers of other kinds keep row_extrema.
@@ -30,7 +29,7 @@ from tvmdm.transform.ir import bindings_of, has_block, rewritten
 from tvmdm.transform.kernels import LANES, int64_dims, lead_dims, private_func
 from tvmdm.transform.row_reductions import EXTREMA
 
-PARTIALS = "extrema_partials"  # the producer's block of partial extrema (schedules.quantize_stats)
+PARTIALS = "extrema_partials"  # the producer's block of partial extrema (schedules.rows.place_partials)
 GROUP_ROWS = 32  # rows per partial of a contraction's output (schedules.amx's blocks of rows are 32 or 128)
 ROW_STATS_KERNELS = ("layer_norm", "bdrln")  # row-wise producers (op names of their kernels)
 
@@ -124,7 +123,8 @@ def stats_into_producers(provenance: dict | None = None) -> tvm.transform.Pass:
 
 
 def _pairs(mod: tvm.IRModule, func: relax.Function) -> dict:
-    """row_extrema binding var -> (its input's call_tir, the whole max reading it, the producer's kind)."""
+    """row_extrema binding var -> (its input's var, the var of the whole max reading it, the producer's kind
+    (_producer_kind)) for those this pass takes."""
     call_tir = tvm.ir.Op.get("relax.call_tir")
     bindings = bindings_of(func)
     readers: dict = {}  # var -> the call_tir bindings that take it
@@ -162,8 +162,7 @@ def _rewrite(mod: tvm.IRModule, name: str, provenance: dict) -> tuple[tvm.IRModu
     class Merge(relax.PyExprMutator):
         def __init__(self, mod):
             super().__init__(mod)
-            self.partials = {}  # producer output var -> its partials (new var)
-            self.outputs = {}  # producer output var -> the merged call's first field
+            self.partials = {}  # producer output var -> (its partials' var, their shape)
 
         def visit_var_binding_(self, binding):
             var = binding.var
@@ -193,14 +192,14 @@ def _rewrite(mod: tvm.IRModule, name: str, provenance: dict) -> tuple[tvm.IRModu
             params = {a: relax.Var(f"arg{i}", a.ty) for i, a in enumerate(tensors)}
             shape_param = [relax.Var("tir_vars", relax.ShapeType(scalars))] if scalars else []
             inner = [params.get(a, a) for a in args]
-            name = f"{call.args[0].name_hint}_stats"
+            merged = f"{call.args[0].name_hint}_stats"
             bb = relax.BlockBuilder()
-            with bb.function(name, list(params.values()) + shape_param, {"Primitive": True}):
+            with bb.function(merged, list(params.values()) + shape_param, {"Primitive": True}):
                 with bb.dataflow():
                     y = bb.emit(relax.call_tir(call.args[0], inner, binding.var.ty))
                     out = bb.emit_output(relax.Tuple([y, bb.emit(relax.call_tir(partial_kernel, [y], p_ty))]))
                 bb.emit_func_output(out)
-            gv = self.builder_.add_func(bb.get()[name], name)
+            gv = self.builder_.add_func(bb.get()[merged], merged)
             provenance[gv.name_hint] = provenance.get(call.args[0].name_hint, []) + ["row_extrema"]
             both = self.builder_.emit(relax.Call(gv, tensors + ([relax.ShapeExpr(scalars)] if scalars else [])))
             self.set_var_remap(binding.var, self.builder_.emit(relax.TupleGetItem(both, 0)))
