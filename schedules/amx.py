@@ -290,9 +290,6 @@ def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False, op: TileOp = B
         copy_out = sch.get_consumers(gemm)
         for block in copy_out:  # before tensorize replaces the block they read
             sch.reverse_compute_at(block, unit)
-        # the next quantization's statistics after the tiles: the units' copies out are guarded (rows past the
-        # end), and reverse_compute_at cannot place a reader of their output under them
-        place_partials(sch, unit, covers=False)
     init = sch.decompose_reduction(gemm, mi)
     sch.vectorize(sch.get_loops(init)[-1])
     sch.tensorize(mi, amx_intrin(k_extent, groups, rows, emulate, op, col_blocks))

@@ -178,38 +178,21 @@ def _vector_steps(sch: Schedule):
 def place_partials(sch: Schedule, at, covers: bool = True) -> None:
     """The partials under loop ``at`` (the producer's unit, after its output is written) where the unit
     ``covers`` whole rows, or whole groups of GROUP_ROWS rows (a unit that does not would read rows another
-    unit has not written); else, or where TVM cannot move them there, alone."""
+    unit has not written); else, or where TVM cannot move them there, as a parallel pass of their own
+    (correct, no faster than the row_extrema kernel they replace: tvmdm.transform.stats_into_producers merges
+    only where the producers' units cover whole groups)."""
     if not has_partials(sch):
         return
-    if not covers:
-        _alone(sch)
-        return
     outer = _vector_steps(sch)
-    try:  # a primitive that raises leaves the schedule as it was
-        sch.reverse_compute_at(outer, at)
-    except DOES_NOT_FIT as err:
-        log.debug("quantization statistics not under the producer's unit, a pass of their own: %s",
-                  str(err).strip().splitlines()[-1])
-        loops = sch.get_loops(outer)
-        sch.parallel(sch.fuse(*loops) if len(loops) > 1 else loops[0])
-
-
-def _alone(sch: Schedule) -> None:
-    """The partials as a pass of their own: a task per row, or group of rows, read whole and in order (a task
-    per vector of columns over a group of rows read 64 bytes a row: 6 % slower than the row_extrema kernel at
-    BERT-base's FFN1 output, (8, 128), Sapphire Rapids), each vector's max and negated min from one load."""
-    block = sch.get_sblock(PARTIALS)
-    slot, *rows, vector, reduction = sch.get_loops(block)
-    columns = []
-    if _over_rows(sch.get(block)):  # a group's columns, in vectors
-        column, vector = sch.split(vector, [None, LANES])
-        columns = [column]
-    sch.reorder(*rows, reduction, *columns, slot, vector)
-    sch.parallel(sch.fuse(*rows) if len(rows) > 1 else rows[0])
-    sch.unroll(slot)
-    sch.vectorize(vector)  # before decompose_reduction: vectorize refuses an update block without its init
-    init = sch.decompose_reduction(block, reduction)
-    sch.vectorize(sch.get_loops(init)[-1])
+    if covers:
+        try:  # a primitive that raises leaves the schedule as it was
+            sch.reverse_compute_at(outer, at)
+            return
+        except DOES_NOT_FIT as err:
+            log.warning("quantization statistics not under the producer's unit, a pass of their own: %s",
+                        str(err).strip().splitlines()[-1])
+    loops = sch.get_loops(outer)
+    sch.parallel(sch.fuse(*loops) if len(loops) > 1 else loops[0])
 
 
 class RowNormalizations(ScheduleRule):

@@ -10,10 +10,10 @@ memory is gone (BERT-base's FFN1 output at (8, 128): 12.6 MB).
 The partials are laid out for the producer's unit of work, so that it takes only element-wise vector maxima:
   a row-wise kernel (LayerNorm: a row at a time) - each row's maxima a vector wide, [2, rows..., LANES];
   an int8 contraction (a tile of rows by a few columns at a time) - each column's over groups of GROUP_ROWS
-      rows (GROUP_ROWS divides the tile units' rows), [2, lead..., groups, N];
-slot 0 the max, slot 1 the max of -x. Then one small kernel reduces their last axis (``row_max``) and one the
-rest (``extrema_of_partials``) to the [2] the quantization reads: the same numbers as before, max and min being
-exact in any order. The schedules (schedules.rows.place_partials) compute the partials under the producer's
+      rows (which divide its rows, static: _fits), [2, lead..., groups, N];
+slot 0 the max, slot 1 the max of -x. Then one small kernel (``extrema_of_partials``; for a contraction's,
+``row_max`` first over their last axis) reduces them to the [2] the quantization reads: the same numbers as
+before, max and min being exact in any order. The schedules (schedules.rows.place_partials) compute the partials under the producer's
 unit loop, or, where they cannot, as a parallel pass of their own in the same kernel.
 
 Preconditions: after FuseTIR (the producer a fused PrimFunc with one output; row_extrema kernels made by
@@ -99,6 +99,18 @@ def _producer_kind(func: tirx.PrimFunc, name: str) -> int | None | bool:
     return False
 
 
+def _fits(shape, kind) -> bool:
+    """Whether the producer's units can compute the partials of an output of ``shape``: its width whole
+    vectors; a contraction's rows static and whole groups (its tile units then cover whole groups: symbolic
+    rows come in padded tiles copied out under a guard, past which the partials cannot be placed, and a pass
+    of their own after the tiles was 2-4 % slower than the row_extrema kernel at BERT-base's (1, 128) and
+    (1, 512) on 2 Sapphire Rapids cores: one more small kernel each)."""
+    width, rows = shape[-1], shape[-2]
+    if not isinstance(width, tirx.IntImm) or int(width) % LANES:
+        return False
+    return kind is None or isinstance(rows, tirx.IntImm) and int(rows) % GROUP_ROWS == 0
+
+
 def _is_row_extrema(func) -> bool:
     return isinstance(func, tirx.PrimFunc) and has_block(func, EXTREMA)
 
@@ -145,9 +157,7 @@ def _pairs(mod: tvm.IRModule, func: relax.Function) -> dict:
         if len(producer.params) - len(produced.args[1].fields) - (len(produced.args) > 2) != 1:
             continue  # one output
         kind = _producer_kind(producer, produced.args[0].name_hint)
-        width = source.ty.shape.values[-1] if source.ty.shape is not None else None
-        if kind is not False and str(source.ty.dtype) == "float32" and isinstance(width, tirx.IntImm) \
-                and int(width) % LANES == 0:
+        if kind is not False and str(source.ty.dtype) == "float32" and _fits(source.ty.shape.values, kind):
             found[var] = (source, users[0], kind)
     return found
 
@@ -174,7 +184,8 @@ def _rewrite(mod: tvm.IRModule, name: str, provenance: dict) -> tuple[tvm.IRModu
                 return None  # row_extrema: its reader now reduces the partials
             whole = next((k for k, p in pairs.items() if p[1].same_as(var)), None)
             if whole is not None:
-                self.set_var_remap(var, self._reduced(self.partials[pairs[whole][0]]))
+                source, _, kind = pairs[whole]
+                self.set_var_remap(var, self._reduced(self.partials[source], kind))
                 return None
             return super().visit_var_binding_(binding)
 
@@ -206,11 +217,13 @@ def _rewrite(mod: tvm.IRModule, name: str, provenance: dict) -> tuple[tvm.IRModu
             self.partials[binding.var] = (self.builder_.emit(relax.TupleGetItem(both, 1)),
                                           partials_shape(shape, kind))
 
-        def _reduced(self, partials):
-            partials, shape = partials  # the last axis first (a row reduction), then the rest
-            rows = self.builder_.add_func(_max_over(shape, len(shape) - 1, "row_max"), "row_max")
-            partials = self.builder_.emit(relax.call_tir(rows, [partials], relax.TensorType(shape[:-1], "float32")))
-            shape = shape[:-1]
+        def _reduced(self, partials, kind):
+            partials, shape = partials
+            if kind is not None:  # a contraction's (N per group): the last axis first, a row reduction
+                rows = self.builder_.add_func(_max_over(shape, len(shape) - 1, "row_max"), "row_max")
+                partials = self.builder_.emit(relax.call_tir(rows, [partials],
+                                                             relax.TensorType(shape[:-1], "float32")))
+                shape = shape[:-1]
             whole = self.builder_.add_func(_max_over(shape, 1, "extrema"), "extrema_of_partials")
             return self.builder_.emit(relax.call_tir(whole, [partials], relax.TensorType([2], "float32")))
 
