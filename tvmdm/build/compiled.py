@@ -9,7 +9,8 @@ import numpy as np
 import tvm
 
 from tvmdm.build.check import CheckResult, compare_outputs, ort_session
-from tvmdm.build.options import has_symbolic_inputs, make_options
+from tvmdm.build.options import make_options
+from tvmdm.transform.ir import has_symbolic_inputs
 from tvmdm.build.pipeline import build
 from schedules.logs import token_rows
 from tvmdm.core.errors import ShapeError, TvmdmError

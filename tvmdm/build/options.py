@@ -37,13 +37,6 @@ def packed_lanes(tuning_logs, target, precision: str, symbolic: bool = False, ro
     return panel_lanes(target)
 
 
-def has_symbolic_inputs(mod: tvm.IRModule) -> bool:
-    """Whether any tensor input of ``main`` has a symbolic dim."""
-    from tvmdm.transform.ir import static_shape
-
-    return any(getattr(p.ty, "shape", None) is not None and static_shape(p) is None for p in mod["main"].params)
-
-
 def make_options(target="llvm", *, fusion: str = DEFAULT_FUSION, layout: str = DEFAULT_LAYOUT,
                  precision: str = "fp32", tuning_logs="shipped", symbolic: bool = False,
                  training: bool = False, rows: int | None = None) -> Options:

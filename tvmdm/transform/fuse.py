@@ -27,7 +27,7 @@ from tvmdm.core.target import attention_on_matrix_units, has_amx_int8, has_avx_v
 from tvmdm.transform.fast_math import fast_math
 from tvmdm.transform.graph_rewrites import paper_graph_rewrites
 from tvmdm.transform.index_guards import guard_gathers
-from tvmdm.transform.ir import op_name
+from tvmdm.transform.ir import has_symbolic_inputs, op_name
 from tvmdm.transform.patterns import (FORWARD_KERNELS, inline_pattern_kernels, name_paper_kernels, paper_patterns,
                                       record_read_fractions)
 from tvmdm.transform.precision import precision_passes
@@ -162,7 +162,7 @@ def fuse(mod: tvm.IRModule, options: Options,
     (symbolic ones keep the fp32 SM, the faster of the two there)."""
     record = FusionRecord()
     fused = fusion_pipeline(options, record, training)(mod)
-    if _attention_left_off_tiles(fused, options) and _static(mod):
+    if _attention_left_off_tiles(fused, options) and not has_symbolic_inputs(mod):
         record = FusionRecord()
         fused = fusion_pipeline(dataclasses.replace(options, batched_attention=True), record, training)(mod)
     return fused, record
@@ -173,7 +173,3 @@ def _attention_left_off_tiles(fused: tvm.IRModule, options: Options) -> bool:
         and attention_on_matrix_units(options.target, options.precision) \
         and any(op_name(gv.name_hint) == "sm" for gv, f in fused.functions_items() if isinstance(f, tirx.PrimFunc))
 
-
-def _static(mod: tvm.IRModule) -> bool:
-    return all(isinstance(d, tirx.IntImm) for p in mod["main"].params
-               if getattr(p.ty, "shape", None) is not None for d in p.ty.shape.values)

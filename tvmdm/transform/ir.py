@@ -58,6 +58,11 @@ def static_shape(expr) -> list[int] | None:
     return [int(d) for d in shape.values]
 
 
+def has_symbolic_inputs(mod: tvm.IRModule) -> bool:
+    """Whether any tensor input of ``main`` has a symbolic dim."""
+    return any(getattr(p.ty, "shape", None) is not None and static_shape(p) is None for p in mod["main"].params)
+
+
 def function_pass(pass_name: str, rewrite_function, every_function: bool = True) -> tvm.transform.Pass:
     """A module pass applying ``rewrite_function(mod, name) -> mod`` to every Relax function (a training
     module: main, loss_and_grads, train_step, apply_update), or to ``main`` alone."""
