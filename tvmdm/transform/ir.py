@@ -41,12 +41,14 @@ def users_of(func: relax.Function) -> dict:
 
 
 def readers_of(func: relax.Function) -> dict:
-    """var -> the binding vars whose calls take it as a direct argument."""
+    """var -> the binding vars whose calls take it as an argument, directly or in a tuple argument (call_tir's
+    arguments, concat's)."""
     readers: dict = {}
     for var, value in bindings_of(func).items():
         for arg in getattr(value, "args", []):
-            if isinstance(arg, relax.Var):
-                readers.setdefault(arg, []).append(var)
+            for read in arg.fields if isinstance(arg, relax.Tuple) else [arg]:
+                if isinstance(read, relax.Var):
+                    readers.setdefault(read, []).append(var)
     return readers
 
 

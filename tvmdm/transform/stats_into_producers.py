@@ -25,7 +25,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK
-from tvmdm.transform.ir import bindings_of, has_block, rewritten
+from tvmdm.transform.ir import bindings_of, has_block, readers_of, rewritten
 from tvmdm.transform.kernels import LANES, int64_dims, lead_dims, private_func
 from tvmdm.transform.row_reductions import EXTREMA
 
@@ -138,12 +138,7 @@ def _pairs(mod: tvm.IRModule, func: relax.Function) -> dict:
     """row_extrema binding var -> (its input's var, the var of the whole max reading it, the producer's kind
     (_producer_kind)) for those this pass takes."""
     call_tir = tvm.ir.Op.get("relax.call_tir")
-    bindings = bindings_of(func)
-    readers: dict = {}  # var -> the call_tir bindings that take it
-    for var, value in bindings.items():
-        if isinstance(value, relax.Call) and value.op.same_as(call_tir):
-            for arg in value.args[1].fields:
-                readers.setdefault(arg, []).append(var)
+    bindings, readers = bindings_of(func), readers_of(func)
     found = {}
     for var, value in bindings.items():
         if not (isinstance(value, relax.Call) and value.op.same_as(call_tir) and _is_row_extrema(mod[value.args[0]])):
