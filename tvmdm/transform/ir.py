@@ -102,3 +102,26 @@ def has_block(func: tirx.PrimFunc, name: str) -> bool:
 def op_name(prim_func_name: str) -> str:
     """LegalizeOps names a PrimFunc after its op, numbered when shapes differ: "add3" -> "add"."""
     return re.sub(r"\d+$", "", prim_func_name)
+
+
+def primitive_call(builder, name: str, args: list, body) -> relax.Call:
+    """A Primitive function ``name`` added to ``builder``'s module, over ``args`` (main's values), and the call of
+    it on them: FuseTIR then makes the kernels its body calls one kernel. ``body(fb, inner)`` emits the body's
+    call_tirs with ``fb`` on ``inner(arg)`` (the function's side of an arg) and returns its output. Post-FuseTIR,
+    a kernel's symbolic dims are PrimType arguments: they reach the function as one Shape parameter, which
+    defines them there. An arg given twice (Q, K and V as views of one packed tensor) is one parameter."""
+    unique = []
+    for arg in args:
+        if not any(arg.same_as(u) for u in unique):
+            unique.append(arg)
+    tensors = [a for a in unique if not isinstance(a.ty, tvm.ir.PrimType)]
+    scalars = [a for a in unique if isinstance(a.ty, tvm.ir.PrimType)]
+    params = {a: relax.Var(f"arg{i}", a.ty) for i, a in enumerate(tensors)}
+    shape_param = [relax.Var("tir_vars", relax.ShapeType(scalars))] if scalars else []
+    fb = relax.BlockBuilder()
+    with fb.function(name, list(params.values()) + shape_param, {"Primitive": True}):
+        with fb.dataflow():
+            out = fb.emit_output(body(fb, lambda a: params.get(a, a)))
+        fb.emit_func_output(out)
+    gv = builder.add_func(fb.get()[name], name)
+    return relax.Call(gv, tensors + ([relax.ShapeExpr(scalars)] if scalars else []))

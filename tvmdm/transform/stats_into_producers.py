@@ -25,7 +25,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK
-from tvmdm.transform.ir import bindings_of, has_block, readers_of, rewritten
+from tvmdm.transform.ir import bindings_of, has_block, primitive_call, readers_of, rewritten
 from tvmdm.transform.kernels import LANES, int64_dims, lead_dims, private_func
 from tvmdm.transform.row_reductions import EXTREMA
 
@@ -186,28 +186,20 @@ def _rewrite(mod: tvm.IRModule, name: str, provenance: dict) -> tuple[tvm.IRModu
 
         def _merge(self, binding, kind):
             """The producer's call -> a call of a Primitive function of it and the partials (FuseTIR makes
-            them one kernel). The producer's symbolic scalars (post-FuseTIR: PrimValues among its arguments)
-            reach the function as one shape parameter, which defines them there."""
+            them one kernel)."""
             call = binding.value
             shape = list(binding.var.ty.shape.values)
             p_ty = relax.TensorType(partials_shape(shape, kind), "float32")
             partial_kernel = self.builder_.add_func(extrema_partials_func(shape, kind), PARTIALS)
             args = [self.visit_expr(a) for a in call.args[1].fields]
-            tensors = [a for a in args if not isinstance(a.ty, tvm.ir.PrimType)]
-            scalars = [a for a in args if isinstance(a.ty, tvm.ir.PrimType)]  # symbolic dims
-            params = {a: relax.Var(f"arg{i}", a.ty) for i, a in enumerate(tensors)}
-            shape_param = [relax.Var("tir_vars", relax.ShapeType(scalars))] if scalars else []
-            inner = [params.get(a, a) for a in args]
-            merged = f"{call.args[0].name_hint}_stats"
-            bb = relax.BlockBuilder()
-            with bb.function(merged, list(params.values()) + shape_param, {"Primitive": True}):
-                with bb.dataflow():
-                    y = bb.emit(relax.call_tir(call.args[0], inner, binding.var.ty))
-                    out = bb.emit_output(relax.Tuple([y, bb.emit(relax.call_tir(partial_kernel, [y], p_ty))]))
-                bb.emit_func_output(out)
-            gv = self.builder_.add_func(bb.get()[merged], merged)
-            provenance[gv.name_hint] = provenance.get(call.args[0].name_hint, []) + ["row_extrema"]
-            both = self.builder_.emit(relax.Call(gv, tensors + ([relax.ShapeExpr(scalars)] if scalars else [])))
+
+            def body(fb, inner):
+                y = fb.emit(relax.call_tir(call.args[0], [inner(a) for a in args], binding.var.ty))
+                return relax.Tuple([y, fb.emit(relax.call_tir(partial_kernel, [y], p_ty))])
+
+            merged = primitive_call(self.builder_, f"{call.args[0].name_hint}_stats", args, body)
+            provenance[merged.op.name_hint] = provenance.get(call.args[0].name_hint, []) + ["row_extrema"]
+            both = self.builder_.emit(merged)
             self.set_var_remap(binding.var, self.builder_.emit(relax.TupleGetItem(both, 0)))
             self.partials[binding.var] = (self.builder_.emit(relax.TupleGetItem(both, 1)),
                                           partials_shape(shape, kind))
