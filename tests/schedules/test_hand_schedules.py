@@ -104,12 +104,18 @@ def test_sm_without_a_record_is_scheduled_per_head_and_matches_onnxruntime(tiny_
     # packed QKV (bshd) or from head-major copies (bhsd).
     compiled = tvmdm.compile(tiny_layer, shapes={"hidden_states": [2, 8, 32], "attention_mask": [2, 8]},
                              fusion="paper", layout=layout, tuning_logs=None)
-    script = compiled.mod["sm"].script()
+    # Static inference: SM with the context contraction in one kernel (tvmdm.transform.attention_kernel), each
+    # tile of query rows' context right after its probabilities, V's rows of the head copied too.
+    script = compiled.mod["attention"].script()
     parallel = [line for line in script.splitlines() if "T.parallel" in line]
-    assert len(parallel) == 1 and "T.parallel(T.int64(4))" in parallel[0] and "_global" in script, parallel
-    context = compiled.mod["attention_context"].script()  # P V: accumulators per (batch, head) task, V in place
-    assert "_global" not in context and '"local"' in context and "T.parallel(T.int64(4))" in context
+    assert len(parallel) == 1 and "T.parallel(T.int64(4))" in parallel[0] and script.count('_global")') == 2, parallel
     assert compiled.check(tvmdm.random_inputs(compiled, batch=2, seq=8)).ok
+    # A symbolic module keeps the two: P V's accumulators per (batch, head) task, V in place
+    symbolic = tvmdm.compile(tiny_layer, fusion="paper", layout=layout, tuning_logs=None)
+    context = symbolic.mod["attention_context"].script()
+    assert "_global" not in context and '"local"' in context and "T.parallel(batch * T.int64(2))" in context
+    assert "T.parallel(batch * T.int64(2))" in symbolic.mod["sm"].script()
+    assert symbolic.check(tvmdm.random_inputs(symbolic, batch=2, seq=8)).ok
 
 
 def test_context_kernel_keeps_its_accumulators_in_avx512_registers():
@@ -118,9 +124,9 @@ def test_context_kernel_keeps_its_accumulators_in_avx512_registers():
     from tests.helpers.cpu_kinds import BY_NAME, asm_of, function_asm, stack_spills
     from tvmdm.models import BertConfig, build_encoder_layer
 
-    shapes = {"hidden_states": [2, 64, 128], "attention_mask": [2, 64]}
+    # (a symbolic module: static ones merge it with SM, tvmdm.transform.attention_kernel)
     compiled = tvmdm.compile(build_encoder_layer(BertConfig(hidden=128, heads=2, ffn=256, batch=2, seq=64)),
-                             shapes=shapes, fusion="paper", target=BY_NAME["zen4"].target(), tuning_logs=[])
+                             fusion="paper", target=BY_NAME["zen4"].target(), tuning_logs=[])
     context = function_asm(asm_of(compiled), "attention_context_compute_")
     assert sum("vfmadd" in line and "zmm" in line for line in context) >= 16, context  # the micro-kernel is here
     assert not stack_spills(context), stack_spills(context)
@@ -136,9 +142,8 @@ def test_attention_micro_kernels_on_whole_vectors_match_onnxruntime(layout):
     shapes = {"hidden_states": [2, 64, 128], "attention_mask": [2, 64]}
     compiled = tvmdm.compile(build_encoder_layer(BertConfig(hidden=128, heads=2, ffn=256, batch=2, seq=64)),
                              shapes=shapes, fusion="paper", layout=layout, tuning_logs=[])
-    for kernel in ("sm", "attention_context"):
-        script = compiled.mod[kernel].script()
-        assert '"local"' in script and "T.unroll" in script, kernel
+    script = compiled.mod["attention"].script()  # SM and the context, one kernel (static inference)
+    assert script.count('"local"') == 2 and "T.unroll" in script
     feeds = tvmdm.random_inputs(compiled, batch=2, seq=64)
     feeds["attention_mask"][1, 40:] = 0  # padded keys: the mask reaches the softmax inside SM
     result = compiled.check(feeds)

@@ -4,6 +4,7 @@ import pytest
 
 import tvmdm
 from tvmdm.models import BertConfig, build_encoder_layer
+from tvmdm.transform.attention_kernel import ATTENTION_KERNEL
 from tvmdm.transform.attention_padding import KEY_MULTIPLE
 
 SMALL = BertConfig(hidden=128, heads=2, ffn=256)
@@ -32,7 +33,7 @@ def test_concrete_lengths_are_left_alone():
     compiled = tvmdm.compile(build_encoder_layer(SMALL), shapes={"hidden_states": [2, 20, 128],
                                                                   "attention_mask": [2, 20]}, tuning_logs=[])
     assert not [k for k in compiled.kernels if k.startswith(("pad_keys", "cut_keys"))]
-    assert all(getattr(p, "name", "") != "blocks" for p in compiled.mod["sm"].params)
+    assert all(getattr(p, "name", "") != "blocks" for p in compiled.mod[ATTENTION_KERNEL].params)
     feeds = tvmdm.random_inputs(compiled, batch=2, seq=20)
     assert compiled.check(feeds).ok
 

@@ -144,6 +144,9 @@ class LayoutChoice:
             lines.append(f"| {layout} | {m['scores'] * 1e3:.3f} | {m['context'] * 1e3:.3f} | "
                          f"{transposes * 1e3:.3f} | {self.bytes_moved[layout] / 1e6:.2f} | "
                          f"{self.model_seconds[layout] * 1e3:.2f} |")
+        if all(m["context"] == 0.0 for m in self.measured.values()):
+            lines.append("\n(SM and the context run as one kernel, tvmdm.transform.attention_kernel: the scores column "
+                         "is its time)")
         return "\n".join(lines) + f"\n\nchosen: {self.layout}\n{self.selection.table()}\n"
 
 
@@ -152,14 +155,20 @@ def _layout_costs(compiled, target) -> dict[str, float]:
     transposes before sm (one per Q/K/V copy) and after the context kernel."""
     from tvmdm.transform.ir import op_name
     from tvmdm.analysis.profile import call_sites, time_kernel
+    from tvmdm.transform.attention_kernel import ATTENTION_KERNEL
 
     order = list(call_sites(compiled.mod))
     costs: dict[str, float] = {}
     names = {op_name(k): k for k in order}
-    if "sm" not in names or "attention_context" not in names:
+    if ATTENTION_KERNEL in names:  # SM and the context in one kernel (static inference): its time is the scores'
+        sm_at = ctx_at = order.index(names[ATTENTION_KERNEL])
+        attention = {names[ATTENTION_KERNEL]: "scores"}
+        costs["context"] = 0.0
+    elif "sm" in names and "attention_context" in names:
+        sm_at, ctx_at = order.index(names["sm"]), order.index(names["attention_context"])
+        attention = {names["sm"]: "scores", names["attention_context"]: "context"}
+    else:
         raise ValueError(f"{compiled.source}: no attention (sm and attention_context kernels) to choose layouts for")
-    sm_at, ctx_at = order.index(names["sm"]), order.index(names["attention_context"])
-    attention = {names["sm"]: "scores", names["attention_context"]: "context"}
     for i, kernel in enumerate(order):
         key = attention.get(kernel)
         if key is None and "transpose" in compiled.kernel_ops.get(kernel, []):

@@ -36,6 +36,7 @@ from tvmdm.transform.quantized import int8_contractions
 from tvmdm.transform.tile_attention import tile_attention
 from tvmdm.transform.row_reductions import rows_then_whole
 from tvmdm.transform.stats_into_producers import stats_into_producers
+from tvmdm.transform.attention_kernel import ATTENTION_KERNEL, attention_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,8 @@ def fusion_pipeline(options: Options, record: FusionRecord | None = None,
         passes += [relax.transform.FuseOps(), record_kernel_ops(record.kernel_ops), relax.transform.FuseTIR()]
         if options.fusion == "paper":
             passes.append(inline_pattern_kernels(FORWARD_KERNELS + tuple(name for name, _ in training.patterns)))
+            if options.on_cpu and not options.training:
+                passes.append(attention_kernel(record.kernel_ops))  # SM's probabilities kept in cache
             passes.append(whole_block_kernels())
         if options.on_cpu:  # quantized models: DynamicQuantizeLinear's max / min by the activation's producer
             passes.append(stats_into_producers(record.kernel_ops))
@@ -171,5 +174,6 @@ def fuse(mod: tvm.IRModule, options: Options,
 def _attention_left_off_tiles(fused: tvm.IRModule, options: Options) -> bool:
     return options.on_cpu and not options.training and not options.batched_attention \
         and attention_on_matrix_units(options.target, options.precision) \
-        and any(op_name(gv.name_hint) == "sm" for gv, f in fused.functions_items() if isinstance(f, tirx.PrimFunc))
+        and any(op_name(gv.name_hint) in ("sm", ATTENTION_KERNEL) for gv, f in fused.functions_items()
+                if isinstance(f, tirx.PrimFunc))
 
