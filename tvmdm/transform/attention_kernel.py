@@ -22,8 +22,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from tvmdm.transform.ir import (bindings_of, op_name, primitive_call, readers_of, rewritten, static_shape,
-                               users_of)
+from tvmdm.transform.ir import (bindings_of, merging_pass, op_name, primitive_call, readers_of, rewritten,
+                               static_shape, users_of)
 
 ATTENTION_KERNEL = "attention"
 SM_KERNEL, CONTEXT_KERNEL = "sm", "attention_context"
@@ -32,19 +32,7 @@ SM_KERNEL, CONTEXT_KERNEL = "sm", "attention_context"
 def attention_kernel(provenance: dict | None = None) -> tvm.transform.Pass:
     """See the module doc. ``provenance`` (fusion's kernel -> ops record), if given, learns the merged
     kernels' ops."""
-
-    @tvm.transform.module_pass(opt_level=0, name="tvmdm.AttentionKernel")
-    def run(mod, _ctx):
-        merged = False
-        for gv, func in list(mod.functions_items()):
-            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
-                mod, changed = _rewrite(mod, gv.name_hint, provenance if provenance is not None else {})
-                merged = merged or changed
-        if not merged:
-            return mod
-        return relax.transform.DeadCodeElimination()(relax.transform.FuseTIR()(mod))
-
-    return run
+    return merging_pass("tvmdm.AttentionKernel", _rewrite, provenance)
 
 
 def _kernel_call(value, name: str) -> bool:

@@ -125,3 +125,22 @@ def primitive_call(builder, name: str, args: list, body) -> relax.Call:
         fb.emit_func_output(out)
     gv = builder.add_func(fb.get()[name], name)
     return relax.Call(gv, tensors + ([relax.ShapeExpr(scalars)] if scalars else []))
+
+
+def merging_pass(pass_name: str, rewrite_function, provenance: dict | None) -> tvm.transform.Pass:
+    """A post-FuseTIR module pass: ``rewrite_function(mod, name, provenance) -> (mod, changed)`` on every Relax
+    function that is not Primitive (it calls primitive_call for the kernels it merges), then FuseTIR makes each
+    merged function one kernel. ``provenance`` (fusion's kernel -> ops record), if given, learns their ops."""
+
+    @tvm.transform.module_pass(opt_level=0, name=pass_name)
+    def run(mod, _ctx):
+        merged = False
+        for gv, func in list(mod.functions_items()):
+            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
+                mod, changed = rewrite_function(mod, gv.name_hint, provenance if provenance is not None else {})
+                merged = merged or changed
+        if not merged:
+            return mod
+        return relax.transform.DeadCodeElimination()(relax.transform.FuseTIR()(mod))
+
+    return run

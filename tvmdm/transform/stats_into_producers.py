@@ -25,7 +25,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK
-from tvmdm.transform.ir import bindings_of, has_block, primitive_call, readers_of, rewritten
+from tvmdm.transform.ir import bindings_of, has_block, merging_pass, primitive_call, readers_of, rewritten
 from tvmdm.transform.kernels import LANES, int64_dims, lead_dims, private_func
 from tvmdm.transform.row_reductions import EXTREMA
 
@@ -119,19 +119,7 @@ def stats_into_producers(provenance: dict | None = None) -> tvm.transform.Pass:
     """Each row_extrema kernel whose input a contraction or a row-wise kernel produces -> that kernel with the
     partial extrema as a second output, and the reductions of the partials (see the module doc).
     ``provenance`` (fusion's kernel -> ops record), if given, learns the merged kernels' ops."""
-
-    @tvm.transform.module_pass(opt_level=0, name="tvmdm.StatsIntoProducers")
-    def run(mod, _ctx):
-        merged = False
-        for gv, func in list(mod.functions_items()):
-            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
-                mod, changed = _rewrite(mod, gv.name_hint, provenance if provenance is not None else {})
-                merged = merged or changed
-        if not merged:
-            return mod
-        return relax.transform.DeadCodeElimination()(relax.transform.FuseTIR()(mod))
-
-    return run
+    return merging_pass("tvmdm.StatsIntoProducers", _rewrite, provenance)
 
 
 def _pairs(mod: tvm.IRModule, func: relax.Function) -> dict:
