@@ -116,10 +116,16 @@ def test_layer_with_the_attention_kernel_matches_onnxruntime(layer, precision, b
                                atol=tolerance * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
-def test_each_kind_computes_a_tiles_probabilities_and_context_under_one_parallel_loop(layer, kind):
-    compiled = tvmdm.compile(layer, shapes={"hidden_states": [2, 32, HIDDEN], "attention_mask": [2, 32]},
-                             target=kind.target(), tuning_logs=None)
+def test_each_kind_computes_a_tiles_probabilities_and_context_under_one_parallel_loop(layer, kind, precision):
+    model = quantize_dynamic(layer) if precision == "int8" else layer
+    compiled = tvmdm.compile(model, shapes={"hidden_states": [2, 32, HIDDEN], "attention_mask": [2, 32]},
+                             target=kind.target(), precision="fp32" if precision == "int8" else precision,
+                             tuning_logs=None)
+    if precision == "bf16" and kind.amx:  # the tile units' attention (transform.tile_attention) or batched matmuls
+        assert ATTENTION_KERNEL not in compiled.kernels, compiled.kernels
+        return
     assert ATTENTION_KERNEL in compiled.hand_kernels, compiled.kernels
     func = compiled.mod[ATTENTION_KERNEL]
     assert func.script().count("T.parallel") == 1
