@@ -55,9 +55,8 @@ def _key_operand(block, softmax: bool = False):
         return None
     # Both operands contiguous along the reduction (Q K^T, dP = dC V^T), or, in SM, the keys' operand already
     # key-last (K^T [B, h, d, S]: torch's dynamo export; left to the default rule, BERT-base took 761 ms at
-    # (8, 128) on 2 Sapphire Rapids cores, 671 by hand). Other
-    # context-like contractions (P V: the reduction is the keys) are better left to the default rule
-    # (measured 2-3x slower here).
+    # (8, 128) on 2 Sapphire Rapids cores, 671 by hand). Other context-like contractions (P V: the reduction
+    # is the keys) are better left to the default rule (measured 2-3x slower here).
     lasts = [load.indices[-1] for load in loads]
     key_last = softmax and sum(i.same_as(reduced) for i in lasts) == 1 and sum(i.same_as(key) for i in lasts) == 1
     if not key_last and not all(i.same_as(reduced) for i in lasts):
