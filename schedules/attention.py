@@ -126,8 +126,10 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     key_last = tirx.IndexMap.from_func(lambda *idx: (*idx[:position], *idx[position + 1:], idx[position]), ndim=ndim)
     sch.transform_layout(tile, ("write", 0), key_last)
     sch.compute_at(tile, task)
-    if position == ndim - 1:  # already key-last: a plain copy of the head's slice
-        sch.vectorize(sch.get_loops(tile)[-1])
+    if position == ndim - 1:  # already key-last: a plain copy of the head's slice, in whole vectors
+        keys = sch.get_loops(tile)[-1]
+        if divides(sch.get(keys).extent, lanes):  # (a symbolic extent cannot be vectorized whole)
+            sch.vectorize(sch.split(keys, [None, lanes])[1])
     else:
         _transpose_in_tiles(sch, tile, position)
     if context is not None:  # V's rows of the head copied next to each other once a task (in place, a
