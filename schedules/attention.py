@@ -97,9 +97,7 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
     if context is not None:  # its (batch, head, row) loops outermost, in the scores' order
         names.pop()
-        by_var = dict(zip([iv.var for iv in sch.get(context).iter_vars], sch.get_loops(context)))
-        batch, head = (loop for var, loop in list(by_var.items())[:4] if not any(var.same_as(a) for a in axes))
-        row, column, reduced = by_var[axes[0]], by_var[axes[1]], sch.get_loops(context)[4]
+        (batch, head), row, column, reduced = _context_loops(sch, context, axes)
         sch.reorder(batch, head, row)
     else:
         batch, head, row, _ = sch.get_loops(sch.get_sblock(names[-1]))[:4]
@@ -135,9 +133,8 @@ def schedule_scores(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     if context is not None:  # V's rows of the head copied next to each other once a task (in place, a
         # head's 256-byte segments lie a token's row apart: 3 KB, or 9 KB in the packed QKV, so they fall on
         # a few L1 sets and crowded out the key tile; fp32 base layer at (8, 128) 2.84 against 2.62 ms)
-        values = _context_values(sch.get(context))
         reads = [region.source for region in sch.get(context).reads]
-        copy = sch.cache_read(context, next(i for i, t in enumerate(reads) if t.same_as(values)), "global",
+        copy = sch.cache_read(context, next(i for i, t in enumerate(reads) if t.same_as(axes[2])), "global",
                               consumer_blocks=[context])
         sch.compute_at(copy, task)
         sch.vectorize(sch.get_loops(copy)[-1])
@@ -209,18 +206,11 @@ def _transpose_in_tiles(sch, tile, position: int) -> None:
     sch.vectorize(key_in)
 
 
-def _context_values(block):
-    """The tensor a context-like contraction reads as vectors along its output's last axis (V of P V)."""
-    product = block.body.value.b
-    column = block.body.indices[-1]
-    return next(load.source for load in (product.a, product.b) if load.indices[-1].same_as(column))
-
-
 def _context_axes(block):
-    """(row, column) iter vars of out[.., r, .., c] = sum_k A[..r..k..] * B[.., k, .., c]: the output's last
-    axis c is the last index of one operand (read as vectors) and the row axis r indexes only the other (read
-    as broadcast scalars, in any order: P[.., i, j] for the context, P^T for dV = P^T dC and dK = dS^T Q);
-    else None."""
+    """(row, column iter vars, the vectors' tensor) of out[.., r, .., c] = sum_k A[..r..k..] * B[.., k, .., c]:
+    the output's last axis c is the last index of one operand (read as vectors: V of P V) and the row axis r
+    indexes only the other (read as broadcast scalars, in any order: P[.., i, j] for the context, P^T for dV =
+    P^T dC and dK = dS^T Q); else None."""
     kinds = [iv.iter_type for iv in block.iter_vars]
     if kinds != [tirx.IterVar.DataPar] * 4 + [tirx.IterVar.CommReduce]:
         return None
@@ -240,7 +230,16 @@ def _context_axes(block):
         return None
     row = next((v for v in spatial if any(i.same_as(v) for i in scalars.indices)
                 and not any(i.same_as(v) for i in vectors[0].indices)), None)
-    return None if row is None else (row, column)
+    return None if row is None else (row, column, vectors[0].source)
+
+
+def _context_loops(sch: Schedule, einsum, axes) -> tuple:
+    """(the other spatial loops, in order, then the row, column and reduction loops) of a context-like
+    contraction whose _context_axes are ``axes``."""
+    loops = sch.get_loops(einsum)
+    by_var = dict(zip([iv.var for iv in sch.get(einsum).iter_vars], loops))
+    others = [loop for var, loop in list(by_var.items())[:4] if not var.same_as(axes[0]) and not var.same_as(axes[1])]
+    return others, by_var[axes[0]], by_var[axes[1]], loops[4]
 
 
 def schedule_context(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
@@ -256,10 +255,7 @@ def schedule_context(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     axes = _context_axes(sch.get(einsum))
     if axes is None:
         return None
-    loops = sch.get_loops(einsum)
-    by_var = dict(zip([iv.var for iv in sch.get(einsum).iter_vars], loops))
-    row, column, reduced = by_var[axes[0]], by_var[axes[1]], loops[4]
-    others = [loop for var, loop in list(by_var.items())[:4] if not var.same_as(axes[0]) and not var.same_as(axes[1])]
+    others, row, column, reduced = _context_loops(sch, einsum, axes)
     if not divides(sch.get(column).extent, lanes):
         return None
     rows = tile_dividing(sch.get(row).extent, (ROWS.get(lanes, 4), 4, 2, 1))
