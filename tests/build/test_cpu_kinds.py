@@ -45,10 +45,11 @@ def _compiled(kind, precision="fp32"):
     return _BUILT[key]
 
 
-def _register_tile(script: str) -> tuple[int, ...]:
-    """The micro-kernel's accumulator tile (rows, vectors, lanes): the extents of the unrolled and vectorized
-    loops right inside the first serial loop (the reduction) that has any."""
+def _register_tiles(script: str) -> list[tuple[int, ...]]:
+    """The micro-kernels' accumulator tiles (rows, vectors, lanes), in order: the extents of the unrolled and
+    vectorized loops right inside each serial loop (a reduction, or a copy's rows) that has any."""
     lines = script.splitlines()
+    tiles = []
     for i, line in enumerate(lines):
         if not re.search(r"for \w+ in range\(", line):
             continue
@@ -59,8 +60,13 @@ def _register_tile(script: str) -> tuple[int, ...]:
                 break
             tile.append(int(found.group(2)))
         if tile:
-            return tuple(tile)
-    return ()
+            tiles.append(tuple(tile))
+    return tiles
+
+
+def _register_tile(script: str) -> tuple[int, ...]:
+    """The first of _register_tiles."""
+    return next(iter(_register_tiles(script)), ())
 
 
 def test_target_of_each_kind(kind):
@@ -92,11 +98,12 @@ def test_shipped_logs_tuned_wider_are_named_in_a_warning(kind):
 
 def test_schedules_and_code_of_each_kind(kind):
     compiled = _compiled(kind)
-    # the paper's attention kernels and row normalizations by hand on every kind (no record fits this shape)
-    assert {"sm", "attention_context"} | ROW_KERNELS <= set(compiled.hand_kernels), compiled.hand_kernels
+    # the paper's attention (static inference: SM and the context as one kernel, transform.attention_kernel) and
+    # row normalizations by hand on every kind (no record fits this shape)
+    assert {"attention"} | ROW_KERNELS <= set(compiled.hand_kernels), compiled.hand_kernels
     rows = 8 if kind.lanes == 16 else 4  # accumulators: 8 x 2 vectors of AVX-512's 32 registers, 4 x 2 of 16
     key_vectors = 16 // kind.lanes  # 16 keys: one vector of 16 lanes, two of 8
-    assert _register_tile(compiled.mod["sm"].script()) == (rows, key_vectors, kind.lanes)
+    assert (rows, key_vectors, kind.lanes) in _register_tiles(compiled.mod["attention"].script())
     # every kind packs this layer's contractions: no shipped record is of its size (the Zen 4 records are for
     # (8, 128) at BERT-base widths; test_target_of_each_kind checks which kinds use them there)
     gemms = [k for k in compiled.kernels if "packed_gemm" in k]
@@ -114,8 +121,9 @@ def test_sm_rows_of_exactly_one_vector_get_the_hand_schedule(kind, tiny_layer):
     # back to the default schedule (4 parallel loops instead of one task per (batch, head))
     compiled = tvmdm.compile(tiny_layer, shapes={"hidden_states": [2, 8, 32], "attention_mask": [2, 8]},
                              target=kind.target(), tuning_logs=None)
-    parallel = [line for line in compiled.mod["sm"].script().splitlines() if "T.parallel" in line]
-    assert "sm" in compiled.hand_kernels and len(parallel) == 1, parallel
+    # (static: SM and the context as one kernel, transform.attention_kernel)
+    parallel = [line for line in compiled.mod["attention"].script().splitlines() if "T.parallel" in line]
+    assert "attention" in compiled.hand_kernels and len(parallel) == 1, parallel
 
 
 def test_bf16_code_of_each_kind(kind):
