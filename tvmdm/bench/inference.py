@@ -17,11 +17,10 @@ from typing import Callable
 import numpy as np
 
 from tvmdm.bench.isolated import Job, run_jobs
-from tvmdm.bench.quantized import is_quantized, quantize_dynamic
+from tvmdm.bench.quantized import int8_checks, is_quantized, quantize_dynamic, same_file_bound
 from tvmdm.bench.timing import check_agreement, time_until_stable
 from tvmdm.core.errors import TvmdmError
 from tvmdm.core.options import DEFAULT_FUSION
-from tvmdm.core.precision import INT8_SAME_FILE_REL_ERR
 
 Runner = Callable[[dict], list]
 
@@ -225,16 +224,27 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
         flops = matmul_flops(proto, shapes)
         for name in jobs:
             out(f"  checking and timing {name} (a process of its own) ...")
-        # a quantized file: every system against onnxruntime on it, to within a quantization step
-        relative = {name: INT8_SAME_FILE_REL_ERR for name in jobs} if is_quantized(proto) else \
-            reduced_precision_bounds(jobs)
-        results = run_jobs(jobs, feeds, reference, min_runs=min_runs, max_seconds=max_seconds, relative=relative)
+        # a quantized file: every system against onnxruntime on it, to within where a quantization step flips
+        relative = dict.fromkeys(jobs, same_file_bound(proto, feeds, first.output_names, threads)) \
+            if is_quantized(proto) else reduced_precision_bounds(jobs)
+        references, int8_error = {}, None
+        if int8 is not None and not is_quantized(proto) and not gpu:
+            int8_reference = ort_session(int8, threads).run(first.output_names, feeds)
+            same_file = same_file_bound(int8, feeds, first.output_names, threads)
+            bounds, references, int8_error = int8_checks(jobs, reference, int8_reference, same_file)
+            relative.update(bounds)
+            out(f"  int8: onnxruntime on the quantized file is {int8_error:.3g} of the largest output off fp32 "
+                f"(the quantization's own error); {', '.join(references)} are checked against its outputs "
+                f"to {same_file:.3g}")
+        results = run_jobs(jobs, feeds, reference, min_runs=min_runs, max_seconds=max_seconds, relative=relative,
+                           references=references)
     agreement = {name: r["max_abs_err"] for name, r in results.items()}
     timings = [summarize(name, results[name]["seconds"], flops) for name in jobs]
     for t in timings:
         t.vs_onnxruntime = t.median_ms / timings[0].median_ms
     return {"timings": timings, "agreement": agreement, "skipped": skipped, "compiled": compiled,
-            "flops": flops, "threads": threads, "kernels": measured}
+            "flops": flops, "threads": threads, "kernels": measured, "int8_rel_err_vs_fp32": int8_error,
+            "checked_against": {name: whose for name, (whose, _) in references.items()}}
 
 
 def check_and_time(systems: dict, feeds: dict, reference: list, *, min_runs: int = 5, max_seconds: float = 30.0,
@@ -308,6 +318,8 @@ def run_bench(model: str, *, batch: int | None = None, seq: int | None = None, t
         "tuned_kernels": first.tuned_kernels, "kernels_total": len(first.kernels),
         "timings": [dataclasses.asdict(t) for t in main["timings"]],
         "max_abs_err_vs_onnxruntime": main["agreement"], "skipped": main["skipped"],
+        # systems whose max_abs_err is against other outputs than onnxruntime's on the fp32 file
+        "checked_against": main["checked_against"], "int8_rel_err_vs_fp32": main["int8_rel_err_vs_fp32"],
         "tvmdm_over_onnxruntime": next(t.vs_onnxruntime for t in main["timings"] if t.system == "tvmdm"),
     }
     for t in main["timings"]:

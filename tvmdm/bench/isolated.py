@@ -19,6 +19,8 @@ import tempfile
 
 import numpy as np
 
+from tvmdm.core.errors import Disagreement
+
 
 @dataclasses.dataclass
 class Job:
@@ -32,19 +34,28 @@ class Job:
 
 
 def run_jobs(jobs: dict[str, Job], feeds: dict, reference: list | None = None, *, min_runs: int,
-             max_seconds: float, relative: dict | None = None, timeout_s: float = 900.0) -> dict[str, dict]:
+             max_seconds: float, relative: dict | None = None, references: dict | None = None,
+             timeout_s: float = 900.0) -> dict[str, dict]:
     """Each job in a process of its own, in order: name -> {"seconds": [...]} plus, for inference,
-    "max_abs_err" vs ``reference`` (AssertionError naming the first system that disagrees, as
-    check_agreement), for a training step "losses" (its first two steps, before timing)."""
+    "max_abs_err" vs ``reference`` (onnxruntime's outputs; Disagreement naming the first system that
+    disagrees, as check_agreement), for a training step "losses" (its first two steps, before timing).
+    ``references``: name -> (whose outputs, the outputs) for the systems checked against other outputs (int8
+    systems against onnxruntime on the int8 file)."""
     results = {}
     with tempfile.TemporaryDirectory(prefix="tvmdm-bench-") as tmp:
         np.savez(os.path.join(tmp, "feeds.npz"), **feeds)
         np.savez(os.path.join(tmp, "reference.npz"), *(reference or []))
         for name, job in jobs.items():
             path = os.path.join(tmp, f"job{len(results)}.json")
+            against, reference_file = "onnxruntime", "reference.npz"
+            if name in (references or {}):
+                against, outputs = references[name]
+                reference_file = f"reference{len(results)}.npz"
+                np.savez(os.path.join(tmp, reference_file), *outputs)
             with open(path, "w") as f:
                 json.dump({"name": name, "kind": job.kind, "spec": job.spec, "dir": tmp, "min_runs": min_runs,
-                           "max_seconds": max_seconds, "max_rel_err": (relative or {}).get(name)}, f)
+                           "max_seconds": max_seconds, "max_rel_err": (relative or {}).get(name),
+                           "reference": reference_file, "against": against}, f)
             # a tvmdm model runs as deployed: TVM's runtime library alone (faster to start, no compiler); a
             # training step's module imports Relax (tvmdm.train.step), which needs the compiler library
             env = dict(os.environ, TVM_USE_RUNTIME_LIB="1") if job.kind == "tvmdm" else None
@@ -52,7 +63,7 @@ def run_jobs(jobs: dict[str, Job], feeds: dict, reference: list | None = None, *
                                   text=True, timeout=timeout_s, env=env)
             results[name] = _result(path + ".out", name, done)
             if "disagrees" in results[name]:
-                raise AssertionError(results[name]["disagrees"])
+                raise Disagreement(results[name]["disagrees"])
     return results
 
 
@@ -140,7 +151,7 @@ def main(path: str) -> int:
     name = job["name"]
     with np.load(os.path.join(job["dir"], "feeds.npz")) as data:
         feeds = {k: data[k] for k in data.files}
-    with np.load(os.path.join(job["dir"], "reference.npz")) as data:
+    with np.load(os.path.join(job["dir"], job.get("reference", "reference.npz"))) as data:
         reference = [data[f"arr_{i}"] for i in range(len(data.files))]
     run = _runner(job["kind"], job["spec"], feeds)
     if job["kind"].endswith("-train"):
@@ -148,8 +159,9 @@ def main(path: str) -> int:
     else:
         relative = {name: job["max_rel_err"]} if job["max_rel_err"] is not None else {}
         try:
-            errors = check_agreement({name: run}, feeds, reference, relative=relative)
-        except AssertionError as err:
+            errors = check_agreement({name: run}, feeds, reference, relative=relative,
+                                     against=job.get("against", "onnxruntime"))
+        except Disagreement as err:
             result = {"disagrees": str(err)}
         else:
             times = time_until_stable(lambda: run(feeds), min_runs=job["min_runs"], max_seconds=job["max_seconds"])

@@ -30,19 +30,24 @@ def time_until_stable(fn, *, warmup: int = 2, min_runs: int = 5, max_runs: int =
 
 
 def check_agreement(systems: dict, feeds: dict, reference: list, atol: float = 1e-3, rtol: float = 1e-3,
-                    relative: dict | None = None) -> dict:
-    """Max abs error of every system vs the reference outputs; AssertionError naming the first that disagrees.
-    ``relative``: system -> allowed max relative error (max |err| / max |ref|) instead of atol/rtol (the
-    reduced-precision systems: tvmdm.core.precision.MAX_REL_ERR)."""
+                    relative: dict | None = None, against: str = "onnxruntime") -> dict:
+    """Max abs error of every system vs the reference outputs (``against``: whose they are); Disagreement
+    naming the first that disagrees. ``relative``: system -> allowed max relative error (max |err| / max |ref|)
+    instead of atol/rtol (the reduced-precision systems: tvmdm.core.precision.MAX_REL_ERR)."""
     from tvmdm.build.check import compare_outputs
+    from tvmdm.core.errors import Disagreement
 
     names = [f"output_{i}" for i in range(len(reference))]
     relative = relative or {}
     errors = {}
     for name, run in systems.items():
         check = compare_outputs(names, [np.asarray(o) for o in run(feeds)], reference, atol=atol, rtol=rtol)
-        ok = max(o.max_rel_err for o in check.outputs) <= relative[name] if name in relative else check.ok
-        if not ok:
-            raise AssertionError(f"{name} disagrees with onnxruntime before timing:\n{check}")
+        if name in relative:
+            worst = max(o.max_rel_err for o in check.outputs)
+            if worst > relative[name]:
+                raise Disagreement(f"{name} disagrees with {against} before timing: max relative error "
+                                   f"{worst:.3g} > {relative[name]:.3g} allowed\n{check}")
+        elif not check.ok:
+            raise Disagreement(f"{name} disagrees with {against} before timing:\n{check}")
         errors[name] = check.max_abs_err
     return errors

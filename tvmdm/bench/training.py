@@ -16,7 +16,7 @@ import numpy as np
 
 from tvmdm.bench.inference import format_table, matmul_flops, summarize, write_result
 from tvmdm.bench.isolated import Job, run_jobs
-from tvmdm.core.errors import TvmdmError
+from tvmdm.core.errors import Disagreement, TvmdmError
 from tvmdm.core.training import BENCH_LR
 from tvmdm.core.options import DEFAULT_FUSION
 from tvmdm.core.precision import reduced_precision
@@ -100,7 +100,7 @@ def check_training_agreement(losses: dict, rtol: float = 1e-3, reduced_rtol: flo
         tolerance = reduced_rtol if reduced_precision(name) else rtol
         for i, (got, want) in enumerate(zip(pair, losses[reference])):
             if abs(got - want) > tolerance * abs(want):
-                raise AssertionError(f"{name} disagrees with {reference} at training step {i + 1}: loss "
+                raise Disagreement(f"{name} disagrees with {reference} at training step {i + 1}: loss "
                                      f"{got:.7g} vs {want:.7g}")
     return losses
 

@@ -37,11 +37,14 @@ class CheckResult:
             "\n".join(rows)
 
 
-def ort_session(proto, threads: int | None = None):
-    """An onnxruntime CPU session on ``proto``, quiet; ``threads`` pins intra-op threads (None: ORT's default)."""
+def ort_session(proto, threads: int | None = None, optimized: bool = True):
+    """An onnxruntime CPU session on ``proto``, quiet; ``threads`` pins intra-op threads (None: ORT's default);
+    ``optimized``: False turns its graph optimizations off."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads is not None:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1

@@ -29,6 +29,10 @@ class TargetError(TvmdmError, ValueError):
     """An unknown or malformed compilation target."""
 
 
+class Disagreement(TvmdmError, AssertionError):
+    """A benchmarked system's outputs (or losses) disagree with the reference it is checked against."""
+
+
 # Prefix of the message a compiled module's index guard raises (tvmdm.transform.index_guards); the runner turns
 # such a failure into an InputError.
 INDEX_GUARD_MARK = "tvmdm index guard: "
