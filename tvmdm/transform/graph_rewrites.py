@@ -6,6 +6,8 @@ They run on the imported graph, before LegalizeOps:
                           times); each old projection is a slice of the packed output, which the attention
                           kernels read in place once fused (the concat of the weights only depends on weights:
                           LiftTransformParams moves it to ``main_transform_params``, run once at load).
+  fold_reshaped_transposes - reshape / transpose / reshape chains that only permute axes (dynamo's K^T)
+                          become one permute_dims (tvmdm.transform.reshaped_transposes).
   hoist_operand_scales  - a scale on each operand of the scores contraction (how torch exports
                           scaled_dot_product_attention) becomes one scale of its output.
   drop_noop_reshapes    - reshapes to the shape a tensor already has are dropped.
@@ -20,31 +22,8 @@ import tvm_ffi
 from tvm import relax
 
 from tvmdm.core.options import ATTENTION_LAYOUTS, DEFAULT_LAYOUT, parse_layout
-from tvmdm.transform.ir import bindings_of, call_op, rank, users_of
-
-
-def _replace_main(mod: tvm.IRModule, func: relax.Function, body) -> tvm.IRModule:
-    out = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)
-    out["main"] = relax.Function(func.params, body, func.ret_ty, attrs=func.attrs)
-    return out
-
-
-def _main_pass(name: str):
-    """Decorate fn(mod, main) -> new body (or None: unchanged) as a module pass rewriting ``main``."""
-
-    def wrap(fn):
-        @tvm.transform.module_pass(opt_level=0, name=f"tvmdm.{name}")
-        def run(mod, _ctx):
-            if "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
-                return mod
-            func = mod["main"]
-            body = fn(mod, func)
-            return mod if body is None else _replace_main(mod, func, body)
-
-        run.__doc__ = fn.__doc__
-        return run
-
-    return wrap
+from tvmdm.transform.ir import bindings_of, call_op, main_pass, rank, users_of
+from tvmdm.transform.reshaped_transposes import fold_reshaped_transposes
 
 
 # --- merged QKV projection ------------------------------------------------------------------------------
@@ -101,7 +80,7 @@ def merge_qkv() -> tvm.transform.Pass:
     projection is a slice of it along the "3" axis (q = packed[..., 0, :, :]); otherwise a slice of the last
     axis. Either way the attention kernels read the slices in place once fused."""
 
-    @_main_pass("MergeQKV")
+    @main_pass("MergeQKV")
     def rewrite(mod, func):
         values, users = bindings_of(func), users_of(func)
         groups = _projection_groups(func, users)
@@ -167,7 +146,7 @@ def hoist_operand_scales() -> tvm.transform.Pass:
     sqrt(1/sqrt(d))): left alone, each scale is a pass over Q or K of its own and keeps their transposes out
     of the contraction; hoisted, absorb_transposes folds them in and SM takes the scale."""
 
-    @_main_pass("HoistOperandScales")
+    @main_pass("HoistOperandScales")
     def rewrite(mod, func):
         values, users = bindings_of(func), users_of(func)
 
@@ -214,7 +193,7 @@ def drop_noop_reshapes() -> tvm.transform.Pass:
     """reshape(x) to x's own shape -> x (the legacy exporter writes one between the context contraction and
     its transpose, which would keep absorb_transposes from folding that transpose in)."""
 
-    @_main_pass("DropNoopReshapes")
+    @main_pass("DropNoopReshapes")
     def rewrite(mod, func):
         values = bindings_of(func)
         same = {var for var, value in values.items() if call_op(value) == "relax.reshape"
@@ -258,7 +237,7 @@ def absorb_transposes(qkv: str = "bshd", ctx: str = "bshd") -> tvm.transform.Pas
         if value not in ATTENTION_LAYOUTS:
             raise ValueError(f"unknown {name} layout {value!r}; choose one of {list(ATTENTION_LAYOUTS)}")
 
-    @_main_pass("AbsorbTransposes")
+    @main_pass("AbsorbTransposes")
     def rewrite(mod, func):
         values = bindings_of(func)
         users = users_of(func)
@@ -360,7 +339,7 @@ def paper_graph_rewrites(layout: str = DEFAULT_LAYOUT, batched_attention: bool =
     einsums."""
     # The contractions keep the operand order ONNX gave their bias adds, so kernels the paper's rules leave
     # alone (the FFN's matmul + bias + GELU) are the very kernels stock fusion makes: their tuned records apply.
-    passes = [merge_qkv(), hoist_operand_scales(), drop_noop_reshapes()]
+    passes = [merge_qkv(), fold_reshaped_transposes(), hoist_operand_scales(), drop_noop_reshapes()]
     if not batched_attention:
         passes.append(absorb_transposes(**parse_layout(layout)))
     return tvm.transform.Sequential(passes, name="tvmdm.PaperGraphRewrites")

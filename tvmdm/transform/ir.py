@@ -80,6 +80,29 @@ def function_pass(pass_name: str, rewrite_function, every_function: bool = True)
     return run
 
 
+def main_pass(name: str):
+    """Decorate fn(mod, main) -> new body (or None: unchanged) as a module pass "tvmdm.<name>" rewriting
+    ``main`` (a module without one passes through)."""
+
+    def wrap(fn):
+        @tvm.transform.module_pass(opt_level=0, name=f"tvmdm.{name}")
+        def run(mod, _ctx):
+            if "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
+                return mod
+            func = mod["main"]
+            body = fn(mod, func)
+            if body is None:
+                return mod
+            out = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)
+            out["main"] = relax.Function(func.params, body, func.ret_ty, attrs=func.attrs)
+            return out
+
+        run.__doc__ = fn.__doc__
+        return run
+
+    return wrap
+
+
 def rewritten(mod: tvm.IRModule, name: str, mutator) -> tvm.IRModule:
     """``mod`` with function ``name`` visited by ``mutator`` (a PyExprMutator made on ``mod``), plus the
     PrimFuncs the mutator added to its builder."""
