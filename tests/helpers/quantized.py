@@ -63,12 +63,14 @@ def _model(name: str, nodes, inits, k: int, n: int) -> onnx.ModelProto:
     return model
 
 
-def quantized_export(hf_export, tmp_path, family: str = "bert") -> str:
-    """The tiny HF export of ``family`` through onnxruntime's quantize_dynamic (QInt8 weights)."""
+def quantized_export(hf_export, tmp_path, family: str = "bert", dynamo: bool = False) -> str:
+    """The tiny HF export of ``family`` (torch's legacy exporter, or ``dynamo``: the default one since torch
+    2.9) through onnxruntime's quantize_dynamic (QInt8 weights)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    path = str(tmp_path / f"{family}-int8.onnx")
-    quantize_dynamic(hf_export(family), path, weight_type=QuantType.QInt8)
+    path = str(tmp_path / f"{family}-{'dynamo' if dynamo else 'legacy'}-int8.onnx")
+    source = hf_export(family, dynamo=True, opset=18) if dynamo else hf_export(family)
+    quantize_dynamic(source, path, weight_type=QuantType.QInt8)
     return path
 
 

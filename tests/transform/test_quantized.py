@@ -90,9 +90,10 @@ def test_symbolic_rows_take_whole_tiles_and_match_at_every_length():
         np.testing.assert_allclose(compiled.run({"x": x})[0], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
 @pytest.mark.parametrize("symbolic", [False, True], ids=["bound", "symbolic"])
-def test_quantize_dynamic_bert_export_matches_onnxruntime(hf_export, tmp_path, symbolic):
-    path = quantized_export(hf_export, tmp_path)
+def test_quantize_dynamic_bert_export_matches_onnxruntime(hf_export, tmp_path, symbolic, dynamo):
+    path = quantized_export(hf_export, tmp_path, dynamo=dynamo)
     feeds = hf_exports.sample_inputs("bert", batch=2, seq=8)
     shapes = None if symbolic else {name: list(v.shape) for name, v in feeds.items()}
     compiled = _compile(path, shapes=shapes)
