@@ -164,11 +164,13 @@ def _vector_steps(sch: Schedule):
     group's rows, or a row's vectors) a vector at a time: element-wise, no shuffles. The outer block's reads
     are whole slices of the output (its indices one variable each), as reverse_compute_at needs."""
     block = sch.get_sblock(PARTIALS)
-    slot, *middle, vector, reduction = sch.get_loops(block)
     grouped = _over_rows(sch.get(block))  # a group's rows (else a row's vectors)
-    if grouped:  # its columns in vectors: the outer block one vector of columns over the group's rows
+    if grouped:  # [2, lead..., groups, N]: its columns in vectors, the outer block one vector of columns over
+        slot, *middle, vector, reduction = sch.get_loops(block)  # the group's rows
         columns, vector = sch.split(vector, [None, LANES])
         middle.append(columns)
+    else:  # [rows..., 2, LANES]
+        *middle, slot, vector, reduction = sch.get_loops(block)
     sch.reorder(*middle, reduction, slot, vector)  # the max and the negated min of each vector read once
     sch.unroll(slot)
     sch.vectorize(vector)

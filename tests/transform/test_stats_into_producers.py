@@ -48,9 +48,9 @@ def test_a_contractions_partials_are_each_columns_max_and_negated_min_over_group
 def test_a_row_wise_producers_partials_are_each_rows_maxima_a_vector_wide():
     y = np.random.default_rng(1).standard_normal((2, 5, 64)).astype(np.float32)
     got = _partials(y.shape, None, y)
-    assert got.shape == (2, 2, 5, 16)
-    np.testing.assert_array_equal(got[0], y.reshape(2, 5, 4, 16).max(axis=2))
-    np.testing.assert_array_equal(got[1], -y.reshape(2, 5, 4, 16).min(axis=2))
+    assert got.shape == (2, 5, 2, 16)  # a row's two slots side by side
+    np.testing.assert_array_equal(got[..., 0, :], y.reshape(2, 5, 4, 16).max(axis=2))
+    np.testing.assert_array_equal(got[..., 1, :], -y.reshape(2, 5, 4, 16).min(axis=2))
 
 
 def _fused(model, shapes, target="llvm"):

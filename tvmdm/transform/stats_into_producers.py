@@ -8,7 +8,9 @@ what it produces, while its output is still in the core's cache, and the row_ext
 memory is gone (BERT-base's FFN1 output at (8, 128): 12.6 MB).
 
 The partials are laid out for the producer's unit of work, so that it takes only element-wise vector maxima:
-  a row-wise kernel (LayerNorm: a row at a time) - each row's maxima a vector wide, [2, rows..., LANES];
+  a row-wise kernel (LayerNorm: a row at a time) - each row's maxima a vector wide, [rows..., 2, LANES] (the
+      row's two slots next to each other: with the slot axis first, a symbolic-size output put them a symbolic
+      stride apart, which LLVM could not tell apart, and it kept both in memory);
   an int8 contraction (a tile of rows by a few columns at a time) - each column's over groups of GROUP_ROWS
       rows (which divide its rows, static: _fits), [2, lead..., groups, N];
 slot 0 the max, slot 1 the max of -x. Then one small kernel (``extrema_of_partials``; for a contraction's,
@@ -40,12 +42,17 @@ def _signed(c, value):
 
 
 def partials_shape(shape, group_rows: int | None) -> list:
-    """The partials' shape for a producer's output of ``shape`` [lead..., rows, N]: [2, lead..., rows, LANES]
+    """The partials' shape for a producer's output of ``shape`` [lead..., rows, N]: [lead..., rows, 2, LANES]
     for a row-wise producer (``group_rows`` None), [2, lead..., ceil(rows / group_rows), N] for a contraction."""
     *lead, rows, n = shape
     if group_rows is None:
-        return [2, *lead, rows, LANES]
+        return [*lead, rows, 2, LANES]
     return [2, *lead, (rows + group_rows - 1) // group_rows, n]
+
+
+def slot_axis(group_rows: int | None, rank: int) -> int:
+    """The axis of the partials (of ``rank`` axes) that holds the max (0) and the negated min (1)."""
+    return rank - 2 if group_rows is None else 0
 
 
 def extrema_partials_func(shape, group_rows: int | None) -> tirx.PrimFunc:
@@ -61,8 +68,8 @@ def extrema_partials_func(shape, group_rows: int | None) -> tirx.PrimFunc:
     if group_rows is None:
         lanes = tirx.IntImm("int64", LANES)
         k = te.reduce_axis((zero, tirx.IntImm("int64", int(n) // LANES)), name="k")
-        out = te.compute(int64_dims((2,)) + lead + (lanes,),
-                         lambda c, *i: te.max(_signed(c, y(*i[:-1], k * lanes + i[-1])), axis=k), name=PARTIALS)
+        out = te.compute(lead + int64_dims((2, LANES)),
+                         lambda *i: te.max(_signed(i[-2], y(*i[:-2], k * lanes + i[-1])), axis=k), name=PARTIALS)
     else:
         size = tirx.IntImm("int64", group_rows)
         r = te.reduce_axis((zero, size), name="r")
@@ -87,6 +94,22 @@ def _max_over(shape, axes_kept: int, name: str) -> tirx.PrimFunc:
     x = te.placeholder(dims, "float32", name="x")
     reduce = [te.reduce_axis((tirx.IntImm("int64", 0), d), name=f"k{i}") for i, d in enumerate(dims[axes_kept:])]
     out = te.compute(dims[:axes_kept], lambda *i: te.max(x(*i, *reduce), axis=reduce), name=name)
+    return private_func(te.create_prim_func([x, out]))
+
+
+def _max_of_slots(shape, slot: int, name: str) -> tirx.PrimFunc:
+    """x of ``shape`` -> [2], each slot's max over every other axis (``slot``: the slots' axis)."""
+    dims = lead_dims(shape)
+    x = te.placeholder(dims, "float32", name="x")
+    others = [a for a in range(len(dims)) if a != slot]
+    reduce = [te.reduce_axis((tirx.IntImm("int64", 0), dims[a]), name=f"k{a}") for a in others]
+
+    def element(c):
+        index = list(reduce)
+        index.insert(slot, c)
+        return te.max(x(*index), axis=reduce)
+
+    out = te.compute((dims[slot],), element, name=name)
     return private_func(te.create_prim_func([x, out]))
 
 
@@ -199,7 +222,8 @@ def _rewrite(mod: tvm.IRModule, name: str, provenance: dict) -> tuple[tvm.IRModu
                 partials = self.builder_.emit(relax.call_tir(rows, [partials],
                                                              relax.TensorType(shape[:-1], "float32")))
                 shape = shape[:-1]
-            whole = self.builder_.add_func(_max_over(shape, 1, "extrema"), "extrema_of_partials")
+            whole = self.builder_.add_func(_max_of_slots(shape, slot_axis(kind, len(shape)), "extrema"),
+                                           "extrema_of_partials")
             return self.builder_.emit(relax.call_tir(whole, [partials], relax.TensorType([2], "float32")))
 
     return rewritten(mod, name, Merge(mod)), True
