@@ -43,10 +43,14 @@ def check_agreement(systems: dict, feeds: dict, reference: list, atol: float = 1
     for name, run in systems.items():
         check = compare_outputs(names, [np.asarray(o) for o in run(feeds)], reference, atol=atol, rtol=rtol)
         if name in relative:
+            bound = relative[name]
             worst = max(o.max_rel_err for o in check.outputs)
-            if worst > relative[name]:
+            if worst > bound:
+                rows = "\n".join(f"  {o.name}: max abs err {o.max_abs_err:.3g}, rel {o.max_rel_err:.3g} "
+                                 f"{'ok' if o.max_rel_err <= bound else 'OVER'}" for o in check.outputs)
                 raise Disagreement(f"{name} disagrees with {against} before timing: max relative error "
-                                   f"{worst:.3g} > {relative[name]:.3g} allowed\n{check}")
+                                   f"{worst:.3g} > {bound:.3g} allowed (relative to each output's largest "
+                                   f"value)\n{rows}")
         elif not check.ok:
             raise Disagreement(f"{name} disagrees with {against} before timing:\n{check}")
         errors[name] = check.max_abs_err
