@@ -225,12 +225,12 @@ def compare_systems(model: str, proto, shapes: dict, *, target: str = "llvm", fu
         for name in jobs:
             out(f"  checking and timing {name} (a process of its own) ...")
         # a quantized file: every system against onnxruntime on it, to within where a quantization step flips
-        relative = dict.fromkeys(jobs, same_file_bound(proto, feeds, first.output_names, threads)) \
+        relative = dict.fromkeys(jobs, same_file_bound(proto, feeds, first.output_names, threads, reference)) \
             if is_quantized(proto) else reduced_precision_bounds(jobs)
         references, int8_error = {}, None
         if int8 is not None and not is_quantized(proto) and not gpu:
             int8_reference = ort_session(int8, threads).run(first.output_names, feeds)
-            same_file = same_file_bound(int8, feeds, first.output_names, threads)
+            same_file = same_file_bound(int8, feeds, first.output_names, threads, int8_reference)
             bounds, references, int8_error = int8_checks(jobs, reference, int8_reference, same_file)
             relative.update(bounds)
             out(f"  int8: onnxruntime on the quantized file is {int8_error:.3g} of the largest output off fp32 "

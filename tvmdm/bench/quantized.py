@@ -52,23 +52,26 @@ SAME_FILE_SYSTEMS = ("onnxruntime[int8]", "tvmdm[int8]")
 
 
 def relative_error(outputs: list, reference: list) -> float:
-    """max |out - ref| / max |ref|, the largest over the outputs."""
+    """max |out - ref| / max |ref|, the largest over the outputs (build.check.compare_outputs' max_rel_err)."""
     import numpy as np
 
-    return max(float(np.abs(np.asarray(o, np.float64) - r).max()) / max(float(np.abs(r).max()), 1e-30)
-               for o, r in zip(outputs, reference))
+    from tvmdm.build.check import compare_outputs
+
+    names = [f"output_{i}" for i in range(len(reference))]
+    check = compare_outputs(names, [np.asarray(o) for o in outputs], reference, atol=0.0, rtol=0.0)
+    return max(o.max_rel_err for o in check.outputs)
 
 
-def same_file_bound(proto, feeds: dict, output_names, threads: int) -> float:
+def same_file_bound(proto, feeds: dict, output_names, threads: int, optimized: list) -> float:
     """How far two correct runtimes on the same int8 file may differ (max relative error): INT8_SAME_FILE_REL_ERR
-    or twice what onnxruntime differs from itself with its graph optimizations on and off, whichever is larger.
-    A rounding before a quantization that flips one step propagates through every layer after it: on BERT-base
-    (12 layers, a dynamo export, (8, 128)) onnxruntime against itself was 3.3% of the hidden state's largest
-    value off and 7.3% of the pooler's; with 2 layers 0.55%."""
+    or twice what onnxruntime differs from itself with its graph optimizations on (``optimized``: its outputs,
+    which the benchmark has already) and off, whichever is larger. A rounding before a quantization that flips
+    one step propagates through every layer after it: on BERT-base (12 layers, a dynamo export, (8, 128))
+    onnxruntime against itself was 3.3% of the hidden state's largest value off and 7.3% of the pooler's; with
+    2 layers 0.55%."""
     from tvmdm.build.check import ort_session
     from tvmdm.core.precision import INT8_SAME_FILE_REL_ERR
 
-    optimized = ort_session(proto, threads).run(output_names, feeds)
     plain = ort_session(proto, threads, optimized=False).run(output_names, feeds)
     return max(INT8_SAME_FILE_REL_ERR, 2 * relative_error(plain, optimized))
 
