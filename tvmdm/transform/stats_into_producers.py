@@ -88,28 +88,18 @@ def extrema_partials_func(shape, group_rows: int | None) -> tirx.PrimFunc:
     return private_func(te.create_prim_func([y, out]))
 
 
-def _max_over(shape, axes_kept: int, name: str) -> tirx.PrimFunc:
-    """x of ``shape`` -> its max over all axes after the first ``axes_kept``."""
+def _max_keeping(shape, kept: list[int], name: str) -> tirx.PrimFunc:
+    """x of ``shape`` -> its max over every axis not in ``kept`` (the output's axes, in order)."""
     dims = lead_dims(shape)
     x = te.placeholder(dims, "float32", name="x")
-    reduce = [te.reduce_axis((tirx.IntImm("int64", 0), d), name=f"k{i}") for i, d in enumerate(dims[axes_kept:])]
-    out = te.compute(dims[:axes_kept], lambda *i: te.max(x(*i, *reduce), axis=reduce), name=name)
-    return private_func(te.create_prim_func([x, out]))
+    reduce = {a: te.reduce_axis((tirx.IntImm("int64", 0), dims[a]), name=f"k{a}")
+              for a in range(len(dims)) if a not in kept}
 
+    def element(*index):
+        at = dict(zip(kept, index))
+        return te.max(x(*[at[a] if a in at else reduce[a] for a in range(len(dims))]), axis=list(reduce.values()))
 
-def _max_of_slots(shape, slot: int, name: str) -> tirx.PrimFunc:
-    """x of ``shape`` -> [2], each slot's max over every other axis (``slot``: the slots' axis)."""
-    dims = lead_dims(shape)
-    x = te.placeholder(dims, "float32", name="x")
-    others = [a for a in range(len(dims)) if a != slot]
-    reduce = [te.reduce_axis((tirx.IntImm("int64", 0), dims[a]), name=f"k{a}") for a in others]
-
-    def element(c):
-        index = list(reduce)
-        index.insert(slot, c)
-        return te.max(x(*index), axis=reduce)
-
-    out = te.compute((dims[slot],), element, name=name)
+    out = te.compute([dims[a] for a in kept], element, name=name)
     return private_func(te.create_prim_func([x, out]))
 
 
@@ -218,11 +208,12 @@ def _rewrite(mod: tvm.IRModule, name: str, provenance: dict) -> tuple[tvm.IRModu
         def _reduced(self, partials, kind):
             partials, shape = partials
             if kind is not None:  # a contraction's (N per group): the last axis first, a row reduction
-                rows = self.builder_.add_func(_max_over(shape, len(shape) - 1, "row_max"), "row_max")
+                rows = self.builder_.add_func(_max_keeping(shape, list(range(len(shape) - 1)), "row_max"),
+                                              "row_max")
                 partials = self.builder_.emit(relax.call_tir(rows, [partials],
                                                              relax.TensorType(shape[:-1], "float32")))
                 shape = shape[:-1]
-            whole = self.builder_.add_func(_max_of_slots(shape, slot_axis(kind, len(shape)), "extrema"),
+            whole = self.builder_.add_func(_max_keeping(shape, [slot_axis(kind, len(shape))], "extrema"),
                                            "extrema_of_partials")
             return self.builder_.emit(relax.call_tir(whole, [partials], relax.TensorType([2], "float32")))
 
