@@ -79,3 +79,28 @@ class ScaleReadTwice:
 
 def test_hoist_operand_scales_leaves_a_scale_that_is_read_elsewhere():
     tvm.ir.assert_structural_equal(hoist_operand_scales()(ScaleReadTwice), ScaleReadTwice)
+
+
+def test_absorb_transposes_reads_a_permute_dims_without_axes_as_reversed():
+    # permute_dims with no axes reverses them (as ONNX's Transpose without perm); absorbing the one after the
+    # contraction took it as swapping the last two
+    import numpy as np
+    from tvm import relax
+
+    from tvmdm.transform.graph_rewrites import absorb_transposes
+    from tvmdm.transform.ir import bindings_of, call_op
+
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType((1, 2, 4, 8), "float32"))
+    b = relax.Var("b", relax.TensorType((1, 2, 8, 6), "float32"))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.permute_dims(bb.emit(relax.op.matmul(a, b))))
+        bb.emit_func_output(out)
+    before = bb.get()
+    after = absorb_transposes()(before)
+    assert [call_op(v) for v in bindings_of(after["main"]).values()] == ["relax.einsum"]
+    rng = np.random.default_rng(0)
+    inputs = [tvm.runtime.tensor(rng.standard_normal(s).astype("float32")) for s in ((1, 2, 4, 8), (1, 2, 8, 6))]
+    run = lambda mod: relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())["main"](*inputs).numpy()  # noqa: E731
+    np.testing.assert_allclose(run(after), run(before), rtol=1e-6)

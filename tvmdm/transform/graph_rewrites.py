@@ -22,7 +22,7 @@ import tvm_ffi
 from tvm import relax
 
 from tvmdm.core.options import ATTENTION_LAYOUTS, DEFAULT_LAYOUT, parse_layout
-from tvmdm.transform.ir import bindings_of, call_op, main_pass, rank, users_of
+from tvmdm.transform.ir import bindings_of, call_op, main_pass, permutation, rank, users_of
 from tvmdm.transform.reshaped_transposes import fold_reshaped_transposes
 
 
@@ -247,11 +247,9 @@ def absorb_transposes(qkv: str = "bshd", ctx: str = "bshd") -> tvm.transform.Pas
             axes = None
             while isinstance(var, relax.Var) and call_op(values.get(var)) == "relax.permute_dims" and \
                     users.get(var, 0) == 1:
-                call = values[var]
-                inner = [int(a) for a in call.attrs.axes] if call.attrs.axes is not None else \
-                    list(reversed(range(rank(call.args[0]))))
+                inner = permutation(values[var])
                 axes = inner if axes is None else _compose(axes, inner)
-                var = call.args[0]
+                var = values[var].args[0]
             return var, axes
 
         # matmuls (4-D x 4-D) whose operands or single consumer are permute_dims
@@ -296,10 +294,7 @@ def absorb_transposes(qkv: str = "bshd", ctx: str = "bshd") -> tvm.transform.Pas
                 if var in targets or var in out_of:
                     mm = out_of.get(var, var)
                     a, pa, b, pb = targets[mm]
-                    pc = None
-                    if var in out_of:
-                        call = values[var]
-                        pc = [int(x) for x in call.attrs.axes] if call.attrs.axes is not None else [0, 1, 3, 2]
+                    pc = permutation(values[var]) if var in out_of else None
                     ins, out = subscripts(pa, pb, pc)
                     operands = []
                     for src, perm, labels in ((a, pa, ins[0]), (b, pb, ins[1])):

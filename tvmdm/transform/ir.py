@@ -20,6 +20,13 @@ def rank(expr) -> int | None:
     return None if shape is None else len(shape.values)
 
 
+def permutation(call: relax.Call) -> list[int]:
+    """The axes of a relax.permute_dims call: its attribute, or all axes reversed (what no attribute means)."""
+    if call.attrs.axes is not None:
+        return [int(a) for a in call.attrs.axes]
+    return list(reversed(range(rank(call.args[0]))))
+
+
 def bindings_of(func: relax.Function) -> dict:
     """var -> bound value, over every binding block of ``func``."""
     return {b.var: b.value for block in func.body.blocks for b in block.bindings}

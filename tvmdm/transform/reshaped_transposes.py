@@ -18,7 +18,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from tvmdm.transform.ir import bindings_of, call_op, main_pass
+from tvmdm.transform.ir import bindings_of, call_op, main_pass, permutation
 
 
 def _dims(expr) -> list | None:
@@ -83,9 +83,7 @@ def fold_reshaped_transposes() -> tvm.transform.Pass:
             shapes = [_dims(e) for e in (source, transpose.args[0], var)]
             if any(s is None for s in shapes):
                 continue
-            axes = [int(a) for a in transpose.attrs.axes] if transpose.attrs.axes is not None else \
-                list(reversed(range(len(shapes[1]))))
-            order = permutation_of(shapes[0], shapes[1], axes, shapes[2], equal)
+            order = permutation_of(shapes[0], shapes[1], permutation(transpose), shapes[2], equal)
             if order is not None:
                 folded[var] = (source, order)
         if not folded:
