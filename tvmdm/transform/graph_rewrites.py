@@ -22,7 +22,7 @@ import tvm_ffi
 from tvm import relax
 
 from tvmdm.core.options import ATTENTION_LAYOUTS, DEFAULT_LAYOUT, parse_layout
-from tvmdm.transform.ir import bindings_of, call_op, main_pass, permutation, rank, users_of
+from tvmdm.transform.ir import bindings_of, call_op, main_pass, permutation, rank, scalar_constant, users_of
 from tvmdm.transform.reshaped_transposes import fold_reshaped_transposes
 
 
@@ -133,11 +133,8 @@ def merge_qkv() -> tvm.transform.Pass:
 
 def _scalar_constant(expr) -> float | None:
     """The value of a one-element float constant, else None."""
-    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
-        value = expr.value.numpy()
-        if value.size == 1 and value.dtype.kind == "f":
-            return float(value.reshape(()))
-    return None
+    value = scalar_constant(expr)
+    return float(value) if value is not None and value.dtype.kind == "f" else None
 
 
 def hoist_operand_scales() -> tvm.transform.Pass:

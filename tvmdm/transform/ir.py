@@ -59,6 +59,15 @@ def readers_of(func: relax.Function) -> dict:
     return readers
 
 
+def scalar_constant(expr):
+    """The value of a one-element constant as a 0-d numpy array of its dtype, else None."""
+    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
+        value = expr.value.numpy()
+        if value.size == 1:
+            return value.reshape(())
+    return None
+
+
 def static_shape(expr) -> list[int] | None:
     """The concrete dims of a tensor expression, None when any is symbolic."""
     shape = getattr(expr.ty, "shape", None)

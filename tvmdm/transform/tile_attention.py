@@ -33,7 +33,7 @@ import tvm.sym
 from tvm import relax, te, tirx
 
 from tvmdm.transform.attention_padding import CONTEXT, SM, composite_name, cut_func
-from tvmdm.transform.ir import bindings_of, call_op, function_pass, readers_of, rewritten
+from tvmdm.transform.ir import bindings_of, call_op, function_pass, readers_of, rewritten, scalar_constant
 from tvmdm.transform.kernels import bf16_bits, bf16_value, private_func
 
 KEY_BLOCK = 32  # keys of a tile block (2 tiles of 16 columns)
@@ -180,11 +180,8 @@ def _einsum(func: relax.Function):
 
 def _constant(expr, args: dict):
     """The float of a scalar constant (or the composite parameter given one), else None."""
-    expr = args.get(expr, expr)
-    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor) \
-            and expr.value.numpy().size == 1:
-        return float(expr.value.numpy().reshape(()))
-    return None
+    value = scalar_constant(args.get(expr, expr))
+    return None if value is None else float(value)
 
 
 def _sm_chain(func: relax.Function, args: dict):
