@@ -26,6 +26,7 @@ from tvmdm.core.options import Options
 from tvmdm.core.target import attention_on_matrix_units, has_amx_int8, has_avx_vnni, has_int8_dot
 from tvmdm.transform.constant_divisors import divide_by_reciprocal
 from tvmdm.transform.fast_math import fast_math
+from tvmdm.transform.isnan_bits import isnan_as_bits
 from tvmdm.transform.graph_rewrites import paper_graph_rewrites
 from tvmdm.transform.index_guards import guard_gathers
 from tvmdm.transform.ir import has_symbolic_inputs, op_name
@@ -64,9 +65,11 @@ def lowering_passes() -> list:
 
     FastMathTransform swaps erf, exp and softmax for TVM's polynomial versions (fast_erf is within 4.2e-7
     of float64 erf over [-6, 6], measured): exact erf costs as much as the FFN contraction it is fused with.
-    Divisions by a constant that only those read become multiplies by its reciprocal (GELU's x / sqrt(2))."""
+    Divisions by a constant that only those read become multiplies by its reciprocal (GELU's x / sqrt(2));
+    isnan becomes a test of the bits, which TVM vectorizes (its own isnan made the loop scalar)."""
     return [
         divide_by_reciprocal(),
+        isnan_as_bits(),
         fast_math(),
         relax.transform.DecomposeOpsForInference(),
         relax.transform.LegalizeOps(),
