@@ -97,6 +97,25 @@ def test_emulated_tiles_of_symbolic_rows_match_numpy(batch, seq, n, panel_bytes,
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows, panel_bytes, units", [(256, amx.PANEL_BYTES, 8), (256, 1, 24), (128, amx.PANEL_BYTES, 3)])
+def test_static_rows_of_enough_blocks_take_the_panel_units(rows, panel_bytes, units, monkeypatch):
+    # from PANEL_MIN_BLOCKS blocks of 32 rows on, a unit is one block of rows over a panel of columns (all 3
+    # blocks of 32, or one when the panel bytes allow one), as for symbolic rows; below, GROUPS blocks of rows
+    # (128 rows: 4) by one block of columns
+    monkeypatch.setattr(amx, "PANEL_BYTES", panel_bytes)
+    k, n = 64, 96
+    scheduled = amx.schedule_amx_gemm(gemm_func((rows,), k, n).with_attr("global_symbol", "main"), emulate=True)
+    assert re.findall(r"T\.parallel\((?:T\.int64\()?(\d+)", scheduled.script()) == [str(units)]
+    lib = tvm.compile(tvm.IRModule({"main": scheduled}), target=make_target("llvm"))
+    rng = np.random.default_rng(0)
+    x, w = _bits(rng.standard_normal((rows, k))), _bits(rng.standard_normal((k, n)))
+    packed = w.reshape(k // 2, 2, n // 16, 16).transpose(2, 0, 3, 1).copy()
+    out = tvm.runtime.tensor(np.zeros((rows, n), np.float32))
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(packed), out)
+    ref = _value(x).astype(np.float64) @ _value(w).astype(np.float64)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4)
+
+
 def test_symbolic_rows_take_the_widest_weight_panel_that_fits_the_panel_bytes():
     # BERT-base (n, k): FFN down's K = 3072 takes 6 blocks of 32 columns (1.18 MB of bf16), the output
     # projection all 24; int8 weights take half the bytes
