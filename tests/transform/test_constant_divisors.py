@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from tests.helpers.relax_calls import op_names
 from tvmdm.transform.constant_divisors import divide_by_reciprocal
 
 
@@ -20,16 +21,6 @@ def _module(divisor, dtype="float32", reader="relax.erf", also_returned=False):
             out = bb.emit_output(relax.Tuple([read, quotient]) if also_returned else read)
         bb.emit_func_output(out)
     return bb.get()
-
-
-def _ops(func) -> list[str]:
-    import tvm
-    from tvm import relax
-
-    ops = []
-    relax.analysis.post_order_visit(func.body, lambda e: ops.append(e.op.name) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) else None)
-    return ops
 
 
 def _quotient(mod, x, d):
@@ -51,8 +42,8 @@ def test_a_quotient_only_erf_reads_is_the_product_by_the_reciprocal_within_an_ul
     x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32) * 10
     mod = _module(divisor)
     rewritten = divide_by_reciprocal()(mod)
-    assert _ops(mod["main"]) == ["relax.divide", "relax.erf"]
-    assert _ops(rewritten["main"]) == ["relax.multiply", "relax.erf"]
+    assert op_names(mod["main"]) == ["relax.divide", "relax.erf"]
+    assert op_names(rewritten["main"]) == ["relax.multiply", "relax.erf"]
     quotient = x / np.float32(divisor)
     product = _quotient(rewritten, x, divisor)
     ulps = np.abs(product.view(np.int32).astype(np.int64) - quotient.view(np.int32).astype(np.int64))
@@ -70,7 +61,7 @@ def test_a_quotient_only_erf_reads_is_the_product_by_the_reciprocal_within_an_ul
 ])
 def test_other_divisions_are_left_as_they_are(divisor, dtype, reader, also_returned):
     mod = _module(divisor, dtype, reader, also_returned)
-    assert _ops(divide_by_reciprocal()(mod)["main"])[0] == "relax.divide"
+    assert op_names(divide_by_reciprocal()(mod)["main"])[0] == "relax.divide"
 
 
 def test_every_function_of_the_module_is_rewritten():
@@ -84,4 +75,4 @@ def test_every_function_of_the_module_is_rewritten():
     rewritten = divide_by_reciprocal()(mod)
     composite = [gv for gv, f in rewritten.functions_items() if isinstance(f, relax.Function) and f.attrs is not None
                  and "Composite" in f.attrs]
-    assert len(composite) == 1 and _ops(rewritten[composite[0]]) == ["relax.multiply", "relax.erf"]
+    assert len(composite) == 1 and op_names(rewritten[composite[0]]) == ["relax.multiply", "relax.erf"]

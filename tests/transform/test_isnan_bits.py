@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from tests.helpers.relax_calls import op_names
 from tvmdm.transform.isnan_bits import LAYOUTS, isnan_as_bits, isnan_by_bits
 
 
@@ -17,16 +18,6 @@ def _module(dtype: str, n: int):
             out = bb.emit_output(relax.op.where(nan, relax.const(0.0, dtype), x))
         bb.emit_func_output(out)
     return bb.get()
-
-
-def _ops(func) -> list[str]:
-    import tvm
-    from tvm import relax
-
-    ops = []
-    relax.analysis.post_order_visit(func.body, lambda e: ops.append(e.op.name) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) else None)
-    return ops
 
 
 def _edge_values(dtype: str) -> np.ndarray:
@@ -52,7 +43,7 @@ def test_the_bit_test_is_isnan_for_every_kind_of_value(dtype):
     x = _edge_values(dtype)
     assert np.isnan(x).sum() == 6 and np.isinf(x).sum() == 2
     mod = isnan_as_bits()(_module(dtype, x.size))
-    assert "relax.isnan" not in _ops(mod["main"])
+    assert "relax.isnan" not in op_names(mod["main"])
     vm = relax.VirtualMachine(relax.build(relax.transform.LegalizeOps()(mod), target="llvm"), tvm.cpu())
     got = vm["main"](tvm.runtime.tensor(x)).numpy()
     np.testing.assert_array_equal(got, np.where(np.isnan(x), 0, x))
@@ -98,6 +89,6 @@ def test_every_function_of_the_module_is_rewritten():
         _module("float32", 16))
     composite = [gv for gv, f in mod.functions_items() if isinstance(f, relax.Function) and f.attrs is not None
                  and "Composite" in f.attrs]
-    assert len(composite) == 1 and "relax.isnan" in _ops(mod[composite[0]])
+    assert len(composite) == 1 and "relax.isnan" in op_names(mod[composite[0]])
     rewritten = isnan_as_bits()(mod)
-    assert "relax.isnan" not in _ops(rewritten[composite[0]])
+    assert "relax.isnan" not in op_names(rewritten[composite[0]])

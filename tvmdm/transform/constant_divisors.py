@@ -22,7 +22,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from tvmdm.transform.ir import bindings_of, call_op, readers_of, scalar_constant, users_of
+from tvmdm.transform.ir import bindings_of, call_op, mutator_pass, readers_of, scalar_constant, users_of
 
 FLOAT_DTYPES = ("float16", "float32", "float64")
 APPROXIMATED = ("relax.erf", "relax.tanh", "relax.exp")  # what fast_math swaps for TVM's polynomials
@@ -62,15 +62,8 @@ def divide_by_reciprocal() -> tvm.transform.Pass:
                 return super().visit_call_(call)
             return relax.op.multiply(self.visit_expr(call.args[0]), reciprocal_of(call.args[1]))
 
-    @tvm.transform.module_pass(opt_level=0, name="tvmdm.DivideByReciprocal")
-    def transform(mod, _ctx):
-        functions = [(gv, f) for gv, f in mod.functions_items() if isinstance(f, relax.Function)]
-        targets = set().union(*(_approximated_quotients(f) for _, f in functions))
-        if not targets:
-            return mod
-        rewriter = ByReciprocal(mod, targets)
-        for gv, func in functions:
-            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        return rewriter.builder_.get()
+    def make(mod):
+        functions = [f for _, f in mod.functions_items() if isinstance(f, relax.Function)]
+        return ByReciprocal(mod, set().union(*(_approximated_quotients(f) for f in functions)))
 
-    return transform
+    return mutator_pass("tvmdm.DivideByReciprocal", make)

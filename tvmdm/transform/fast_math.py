@@ -35,6 +35,8 @@ def fast_math():
     from tvm import relax
     from tvm.relax.transform.fast_math import FastMathCodeGenerator
 
+    from tvmdm.transform.ir import mutator_pass
+
     @relax.expr_functor.mutator
     class OpCallsOnly(FastMathCodeGenerator._cls):
         def visit_call_(self, call):
@@ -45,12 +47,4 @@ def fast_math():
                                              int(call.attrs.axis), primfunc_name_hint="fast_softmax")
             return super().visit_call_(call)
 
-    @tvm.transform.module_pass(opt_level=0, name="tvmdm.FastMath")
-    def transform(mod, _ctx):
-        rewriter = OpCallsOnly(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        return rewriter.builder_.get()
-
-    return transform
+    return mutator_pass("tvmdm.FastMath", OpCallsOnly)

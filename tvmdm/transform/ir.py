@@ -96,6 +96,21 @@ def function_pass(pass_name: str, rewrite_function, every_function: bool = True)
     return run
 
 
+def mutator_pass(pass_name: str, make_mutator) -> tvm.transform.Pass:
+    """A module pass visiting every Relax function of the module (composite functions and a training module's
+    too) with ``make_mutator(mod)``, a PyExprMutator; the PrimFuncs its builder added stay in the module."""
+
+    @tvm.transform.module_pass(opt_level=0, name=pass_name)
+    def run(mod, _ctx):
+        rewriter = make_mutator(mod)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+        return rewriter.builder_.get()
+
+    return run
+
+
 def main_pass(name: str):
     """Decorate fn(mod, main) -> new body (or None: unchanged) as a module pass "tvmdm.<name>" rewriting
     ``main`` (a module without one passes through)."""

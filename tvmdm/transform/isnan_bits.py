@@ -20,6 +20,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from tvmdm.transform.ir import mutator_pass
+
 # float dtype -> (integer of its width, its bits without the sign, infinity's bits)
 LAYOUTS = {
     "float16": ("int16", 0x7FFF, 0x7C00),
@@ -55,12 +57,4 @@ def isnan_as_bits() -> tvm.transform.Pass:
                 return self.builder_.call_te(isnan_by_bits, call.args[0], primfunc_name_hint="isnan")
             return call
 
-    @tvm.transform.module_pass(opt_level=0, name="tvmdm.IsnanAsBits")
-    def transform(mod, _ctx):
-        rewriter = ByBits(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        return rewriter.builder_.get()
-
-    return transform
+    return mutator_pass("tvmdm.IsnanAsBits", ByBits)
