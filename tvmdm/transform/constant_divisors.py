@@ -11,6 +11,11 @@ The product x * RN(1/c) is within an ulp of RN(x / c). Where an approximation re
 (4.2e-7 absolute) is larger than that ulp's effect. Other quotients are left exact: DynamicQuantizeLinear's
 scale, (max - min) / 255, must be onnxruntime's to the bit, or the activations quantize differently.
 
+Only in quantized modules (``quantized_only``, the default: int8_contractions made int8_gemm kernels), whose
+FFN1 kernel is ours. An fp32 module's FFN1 kernel is what the shipped tuning records were tuned on, and with
+the multiply it no longer found its record: on the Zen 4 kind, BERT-base's layer kept 4 tuned kernels of 5
+(tests/e2e/test_wheel.py); its fp32 time had not moved here (1.007x, noise).
+
 Preconditions: before fast_math (which replaces erf, tanh and exp by PrimFunc calls) and LegalizeOps. Rewrites
 every Relax function of the module (composite functions and a training module's functions too); divisors that
 are not float scalar constants (one element), or are 0 or not finite, are left as they are, as are integer
@@ -20,9 +25,11 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 
-from tvmdm.transform.ir import bindings_of, call_op, mutator_pass, readers_of, scalar_constant, users_of
+from tvmdm.transform.int8_kernels import INT8_GEMM_BLOCK
+from tvmdm.transform.ir import (bindings_of, call_op, has_block, mutator_pass, readers_of, scalar_constant,
+                               users_of)
 
 FLOAT_DTYPES = ("float16", "float32", "float64")
 APPROXIMATED = ("relax.erf", "relax.tanh", "relax.exp")  # what fast_math swaps for TVM's polynomials
@@ -47,9 +54,13 @@ def _approximated_quotients(func: relax.Function) -> set:
             and all(call_op(values[reader]) in APPROXIMATED for reader in readers[var])}
 
 
-def divide_by_reciprocal() -> tvm.transform.Pass:
+def _quantized(mod: tvm.IRModule) -> bool:
+    return any(isinstance(f, tirx.PrimFunc) and has_block(f, INT8_GEMM_BLOCK) for _, f in mod.functions_items())
+
+
+def divide_by_reciprocal(quantized_only: bool = True) -> tvm.transform.Pass:
     """Those divisions by a float scalar constant that only erf, tanh or exp read -> multiplies by the
-    constant's reciprocal (see the module doc)."""
+    constant's reciprocal, in quantized modules (``quantized_only``) or every module (see the module doc)."""
 
     @relax.expr_functor.mutator
     class ByReciprocal(relax.PyExprMutator):
@@ -64,6 +75,8 @@ def divide_by_reciprocal() -> tvm.transform.Pass:
 
     def make(mod):
         functions = [f for _, f in mod.functions_items() if isinstance(f, relax.Function)]
-        return ByReciprocal(mod, set().union(*(_approximated_quotients(f) for f in functions)))
+        targets = set().union(*(_approximated_quotients(f) for f in functions)) \
+            if _quantized(mod) or not quantized_only else set()
+        return ByReciprocal(mod, targets)
 
     return mutator_pass("tvmdm.DivideByReciprocal", make)
