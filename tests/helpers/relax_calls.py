@@ -1,12 +1,7 @@
 """What a Relax function calls, for the graph passes' tests."""
+from tvmdm.transform.ir import call_op
 
 
 def op_names(func) -> list[str]:
-    """The names of the ops ``func`` calls (calls of GlobalVars left out), in post order."""
-    import tvm
-    from tvm import relax
-
-    ops = []
-    relax.analysis.post_order_visit(func.body, lambda e: ops.append(e.op.name) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) else None)
-    return ops
+    """The ops ``func``'s bindings call, in order (calls of GlobalVars and other bindings left out)."""
+    return [call_op(b.value) for block in func.body.blocks for b in block.bindings if call_op(b.value)]

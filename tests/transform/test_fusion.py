@@ -13,6 +13,7 @@ from tvmdm.core.options import LAYOUTS
 from tvmdm.transform.ir import op_name
 from tvmdm.transform import graph_rewrites
 from tvmdm.analysis.report import report_for
+from tests.helpers.relax_calls import op_names
 from tvmdm.transform.ir import call_op
 from tvmdm.analysis.profile import call_sites
 
@@ -20,7 +21,7 @@ TINY_SHAPES = {"hidden_states": (2, 8, 32), "attention_mask": (2, 8)}
 
 
 def _ops(mod) -> list[str]:
-    return [call_op(b.value) for block in mod["main"].body.blocks for b in block.bindings if call_op(b.value)]
+    return op_names(mod["main"])
 
 
 @pytest.fixture(scope="module")

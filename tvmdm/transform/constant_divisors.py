@@ -41,7 +41,7 @@ def reciprocal_of(divisor) -> relax.Constant | None:
     value = scalar_constant(divisor)
     if value is None or str(value.dtype) not in FLOAT_DTYPES or not np.isfinite(value) or value == 0:
         return None
-    shape = divisor.value.numpy().shape  # the divisor's shape, which broadcasts the same
+    shape = tuple(divisor.value.shape)  # the divisor's shape, which broadcasts the same
     return relax.const((np.ones_like(value) / value).reshape(shape))  # IEEE division in c's dtype: RN(1/c)
 
 
