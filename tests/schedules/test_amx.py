@@ -15,7 +15,7 @@ import tvm
 import tvmdm
 from schedules import amx
 from schedules.pipeline import scheduled_by
-from tests.helpers.cpu_kinds import BY_NAME, asm_of
+from tests.helpers.cpu_kinds import BY_NAME, asm_of, function_asm
 from tvmdm.core.errors import TvmdmError
 from tvmdm.core.precision import BF16_MAX_REL_ERR
 from tvmdm.core.target import has_amx_bf16, has_int8_dot, make_target
@@ -143,6 +143,9 @@ def test_sapphire_rapids_code_runs_the_contractions_on_tiles():
     assert counts["ldtilecfg"] == counts["tilerelease"] == 5 and counts["tdpbf16ps"] > 0, counts
     assert "vdpbf16ps" not in asm  # every bf16 contraction of this layer fills whole tiles
     for name in on_tiles:
+        # the accumulators start at zero in the tiles: no zeros written to memory and loaded back
+        body = "\n".join(function_asm(asm, f"{name}_compute_"))
+        assert "tilezero" in body and "memset" not in body, name
         script = compiled.mod[name].script()
         # the configuration is loaded inside the parallel body: each thread's tile state is its own
         parallel = script.index("T.parallel(")
@@ -275,6 +278,8 @@ def test_int8_contractions_on_amx_int8_tiles_for_sapphire_rapids_and_emulated_he
     assert compiled.uses_amx and asm.count("ldtilecfg") == asm.count("tilerelease") == 1
     assert "tdpbusd" in asm and "vpdpbusd" not in asm and "tdpbf16ps" not in asm
     (kernel,) = [k for k in compiled.kernels if "int8_gemm" in k]
+    body = "\n".join(function_asm(asm, f"{kernel}_compute_"))
+    assert "tilezero" in body and "memset" not in body
     script = compiled.mod[kernel].script()
     assert script.index("T.parallel(") < script.index("llvm.x86.ldtilecfg") < script.index("llvm.x86.tdpbusd")
     assert re.search(r"T\.Buffer\(\(T\.int64\(4\), T\.int64\(32\), T\.int64\(16\), T\.int64\(4\)\), \"int8\"\)",
