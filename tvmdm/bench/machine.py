@@ -15,9 +15,11 @@ PACKAGES = ("apache-tvm", "apache-tvm-ffi", "onnx", "onnxruntime", "onnxruntime-
 
 
 def cpu_info() -> dict:
+    """The CPU's model and flags, as tvmdm built for it (TVMDM_CPUINFO's file where set: another CPU kind's flags,
+    or --no-amx's copy of this CPU's without AMX)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(os.environ.get("TVMDM_CPUINFO") or "/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() == "model name":

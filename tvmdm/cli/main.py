@@ -13,29 +13,13 @@ import time
 import numpy as np
 
 from tvmdm.build.shapes import model_or_path, resolve_shapes
+from tvmdm.cli.arguments import (add_batch_seq, add_compile_options, add_logs, parse_shape, positive_int,
+                                 tuning_logs_option)
+from tvmdm.cli.bench import add_bench_parser
 from tvmdm.core.errors import TvmdmError
 from tvmdm.core.options import DEFAULT_FUSION, DEFAULT_LAYOUT, FUSION_LEVELS
-from tvmdm.core.precision import PRECISIONS
 
 ARTIFACT_SUFFIX = ".tvmdm"
-
-
-def _parse_shape(text: str) -> tuple[str, list[int]]:
-    """'input_ids=8x128' -> ('input_ids', [8, 128])"""
-    name, sep, dims = text.partition("=")
-    try:
-        if not sep or not name:
-            raise ValueError
-        return name, [int(d) for d in dims.replace(",", "x").split("x")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad --shape {text!r}: expected NAME=D0xD1x..., e.g. input_ids=8x128")
-
-
-def _logs(args):
-    """--logs DIR (repeatable) -> tuning_logs=: the shipped logs when not given, none for 'none'."""
-    if not args.logs:
-        return "shipped"
-    return None if args.logs == ["none"] else list(args.logs)
 
 
 def _compile(args):
@@ -43,7 +27,7 @@ def _compile(args):
 
     shapes = resolve_shapes(args.model, args.shape, args.batch, args.seq, embedded_defaults=False)
     return tvmdm.compile(model_or_path(args.model), target=args.target, shapes=shapes, fusion=args.fusion,
-                         layout=args.layout, precision=args.precision, tuning_logs=_logs(args))
+                         layout=args.layout, precision=args.precision, tuning_logs=tuning_logs_option(args))
 
 
 def cmd_compile(args) -> int:
@@ -127,11 +111,11 @@ def _add_tune_options(parser: argparse.ArgumentParser) -> None:
                         "database; a rerun continues it); compile, run, bench, analyze, train and demo read it "
                         "with --logs")
     parser.add_argument("--target", default="llvm", help="llvm, cuda or cuda:sm_80 (default llvm)")
-    parser.add_argument("--trials", type=_positive_int, default=64, help="total trials wanted in the log (default 64)")
-    parser.add_argument("--per-iter", type=_positive_int, default=8, help="trials per task per round (default 8)")
-    parser.add_argument("--shape", action="append", default=[], type=_parse_shape, metavar="NAME=D0xD1",
+    parser.add_argument("--trials", type=positive_int, default=64, help="total trials wanted in the log (default 64)")
+    parser.add_argument("--per-iter", type=positive_int, default=8, help="trials per task per round (default 8)")
+    parser.add_argument("--shape", action="append", default=[], type=parse_shape, metavar="NAME=D0xD1",
                         help="bind an input shape")
-    _add_batch_seq(parser, "the embedded model's")
+    add_batch_seq(parser, "the embedded model's")
     parser.add_argument("--fusion", default=DEFAULT_FUSION, choices=list(FUSION_LEVELS))
     parser.add_argument("--layout", default=DEFAULT_LAYOUT, help="attention layout under --fusion paper (see tvmdm.compile)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
@@ -158,55 +142,13 @@ def _version() -> str:
     return f"tvmdm {__version__} (apache-tvm {tvm})"
 
 
-def _positive_int(text: str) -> int:
-    """A size (--batch, --seq, --steps, --trials...): a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-
-
-def cmd_bench(args) -> int:
-    from tvmdm.bench.inference import run_bench
-
-    model = args.model
-    if args.train:
-        from tvmdm.bench.training import run_train_bench
-
-        run_train_bench(model, batch=args.batch, seq=args.seq, target=args.target, min_runs=args.min_runs,
-                        max_seconds=args.max_seconds, torch=not args.no_torch,
-                        torch_compile=not args.no_torch_compile, json_path=args.json, plot_path=args.plot,
-                        precisions=args.precision.split(","), fusions=args.fusion.split(","),
-                        tuning_logs=_logs(args))
-        return 0
-    scan = None
-    if args.scan or args.scan_seq or args.scan_batch:
-        scan = {"seq": args.scan_seq or [64, 128, 256, 512], "batch": args.scan_batch or [1, 8, 32]}
-    run_bench(model, batch=args.batch, seq=args.seq, target=args.target, min_runs=args.min_runs,
-              max_seconds=args.max_seconds, untuned=args.untuned, fusion_levels=args.fusion.split(","),
-              precisions=args.precision.split(","), ort_optimized=not args.no_ort_opt, torch=not args.no_torch, torch_compile=not args.no_torch_compile,
-              kernels=not args.no_kernels, scan=scan, json_path=args.json, plot_path=args.plot,
-              tuning_logs=_logs(args), symbolic=args.symbolic)
-    return 0
-
-
 def cmd_analyze(args) -> int:
     from tvmdm.analysis import report as A
 
     shapes = resolve_shapes(args.model, args.shape, args.batch, args.seq)
     model = model_or_path(args.model)
     reports = [A.analyze(model, fusion=f, shapes=shapes, measure=args.measure, layout=args.layout,
-                         tuning_logs=_logs(args))
+                         tuning_logs=tuning_logs_option(args))
                for f in args.fusion.split(",")]
     text = A.dump(reports, args.format)
     if args.layouts:
@@ -236,39 +178,14 @@ def cmd_train(args) -> int:
     losses = run_train(args.model, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
                        target=args.target, plot=None if args.plot == "" else args.plot, json_path=args.json,
                        export=args.export, dropout=args.dropout, checkpoint=args.checkpoint or False,
-                       tuning_logs=_logs(args))
+                       tuning_logs=tuning_logs_option(args))
     return 0 if np.isfinite(losses).all() else 1
 
 
 def cmd_demo(args) -> int:
     from tvmdm.cli.demo import run_demo
 
-    return run_demo(args.model, batch=args.batch, seq=args.seq, target=args.target, tuning_logs=_logs(args))
-
-
-def _add_batch_seq(p: argparse.ArgumentParser, default: str) -> None:
-    """--batch / --seq mean one thing in every command: the (batch, seq) the model is compiled (bound) and run at."""
-    p.add_argument("--batch", type=_positive_int, help=f"bind every input's batch dim (default: {default})")
-    p.add_argument("--seq", type=_positive_int, help=f"bind every input's sequence dim (default: {default})")
-
-
-def _add_logs(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--logs", action="append", metavar="DIR", help="tuning log directory to apply (repeatable; "
-                   "what `tvmdm tune --logs DIR` wrote); default: the shipped logs for the target; 'none': "
-                   "default schedules only")
-
-
-def _add_compile_options(p: argparse.ArgumentParser, default_size: str) -> None:
-    p.add_argument("--target", default="llvm", help="llvm (this CPU), cuda or cuda:sm_80 (default: llvm)")
-    _add_batch_seq(p, default_size)
-    p.add_argument("--shape", action="append", type=_parse_shape, metavar="NAME=D0xD1",
-                   help="bind an input's shape (repeatable); unbound dims stay symbolic")
-    _add_logs(p)
-    p.add_argument("--fusion", default=DEFAULT_FUSION, choices=list(FUSION_LEVELS),
-                   help=f"fusion level (default: {DEFAULT_FUSION})")
-    p.add_argument("--layout", default=DEFAULT_LAYOUT, help="attention layout under --fusion paper (default: bshd)")
-    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
-                   help="bf16: weight contractions in bf16 with fp32 accumulation (AMX tiles where the CPU has them)")
+    return run_demo(args.model, batch=args.batch, seq=args.seq, target=args.target, tuning_logs=tuning_logs_option(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="compile an ONNX model (or a default model name) into an artifact")
     p.add_argument("model", help="ONNX file, or one of the embedded models (bert-base-layer, bert-small, ...)")
     p.add_argument("-o", "--output", help=f"artifact path (default: MODEL{ARTIFACT_SUFFIX})")
-    _add_compile_options(p, "symbolic: one artifact for every size")
+    add_compile_options(p, "symbolic: one artifact for every size")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("run", help="run an artifact or ONNX model on given or synthetic inputs")
@@ -290,41 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", "-o", help="write outputs to this npz file")
     p.add_argument("--check", action="store_true", help="compare against onnxruntime (ONNX models only)")
-    _add_compile_options(p, "symbolic; synthetic inputs of 2 x 8")
+    add_compile_options(p, "symbolic; synthetic inputs of 2 x 8")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("tune", help="tune the model's kernels with MetaSchedule into a log directory")
     _add_tune_options(p)
     p.set_defaults(func=cmd_tune)
 
-    p = sub.add_parser("bench", help="tvmdm vs onnxruntime (plain, BERT-optimized) and PyTorch, same threads")
-    p.add_argument("model", nargs="?", default="bert-base-layer", help="ONNX file or embedded model name")
-    _add_batch_seq(p, "the embedded model's")
-    p.add_argument("--symbolic", action="store_true", help="compile tvmdm with symbolic batch and seq (one "
-                   "module for every size) and time it at --batch x --seq")
-    p.add_argument("--target", default="llvm", help="llvm, or cuda on a machine with a GPU")
-    _add_logs(p)
-    p.add_argument("--fusion", default=DEFAULT_FUSION, help="comma-separated fusion levels to time (first is 'tvmdm')")
-    p.add_argument("--untuned", action="store_true", help="also time tvmdm without tuning logs")
-    p.add_argument("--precision", default="fp32", help="comma-separated precisions; each besides fp32 adds a "
-                   "system (tvmdm[bf16]: bf16 contractions, checked to 1e-2 relative error; int8: the model through "
-                   "onnxruntime's quantize_dynamic, run by tvmdm, onnxruntime and PyTorch's dynamic quantization, "
-                   "checked to 1e-1)")
-    p.add_argument("--train", action="store_true", help="time one training step (forward, loss, backward, AdamW) "
-                   "against PyTorch eager and torch.compile instead of inference")
-    p.add_argument("--min-runs", type=_positive_int, default=5, help="timed runs per round; rounds go on until the median "
-                   "moves < 2%% (default 5)")
-    p.add_argument("--max-seconds", type=float, default=30.0, help="time limit per system (default 30)")
-    p.add_argument("--no-ort-opt", action="store_true", help="skip onnxruntime.transformers' BERT optimizer")
-    p.add_argument("--no-torch", action="store_true", help="skip PyTorch")
-    p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (slow to compile)")
-    p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel table")
-    p.add_argument("--scan", action="store_true", help="also sweep seq 64..512 and batch 1..32")
-    p.add_argument("--scan-seq", type=_int_list, help="seq values to sweep, e.g. 64,128,256")
-    p.add_argument("--scan-batch", type=_int_list, help="batch values to sweep, e.g. 1,8,32")
-    p.add_argument("--json", help="write the results (with machine info) as JSON")
-    p.add_argument("--plot", help="write a bar plot (and the scan) as PNG")
-    p.set_defaults(func=cmd_bench)
+    add_bench_parser(sub)
 
     p = sub.add_parser("analyze", help="per-kernel flops / bytes / class report, fusion levels compared")
     p.add_argument("model", help="ONNX file or embedded model name")
@@ -338,17 +228,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", help="write the report here instead of stdout")
     p.add_argument("--plot", help="write a roofline + bytes-by-class plot (PNG)")
     p.add_argument("--measure", action="store_true", help="time every kernel (static shapes; slow on big models)")
-    p.add_argument("--shape", action="append", type=_parse_shape, metavar="NAME=D0xD1")
-    _add_batch_seq(p, "the embedded model's; a file's dims stay symbolic")
-    _add_logs(p)
+    p.add_argument("--shape", action="append", type=parse_shape, metavar="NAME=D0xD1")
+    add_batch_seq(p, "the embedded model's; a file's dims stay symbolic")
+    add_logs(p)
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("train", help="train a BERT classifier on a synthetic task with the compiled training step")
     p.add_argument("model", nargs="?", help="ONNX sequence-classification export (default: the embedded "
                    "bert-small with a classifier head)")
-    p.add_argument("--steps", type=_positive_int, default=50, help="training steps (default 50)")
-    p.add_argument("--batch", type=_positive_int, default=8, help="bind every input's batch dim (default 8)")
-    p.add_argument("--seq", type=_positive_int, default=32, help="bind every input's sequence dim (default 32)")
+    p.add_argument("--steps", type=positive_int, default=50, help="training steps (default 50)")
+    p.add_argument("--batch", type=positive_int, default=8, help="bind every input's batch dim (default 8)")
+    p.add_argument("--seq", type=positive_int, default=32, help="bind every input's sequence dim (default 32)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and the dropout masks")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default 0)")
@@ -357,15 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default="train_loss.png", help="loss curve PNG (default train_loss.png; '' for none)")
     p.add_argument("--json", help="write the losses as JSON")
     p.add_argument("--export", help="write the trained step (weights + optimizer state) for load_train_step")
-    _add_logs(p)
+    add_logs(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="compile an embedded BERT model, run it and check it against onnxruntime")
     p.add_argument("model", nargs="?", default="bert-base-layer", help="embedded model name (default: "
                    "bert-base-layer)")
-    _add_batch_seq(p, "the embedded model's, 8 x 128 for bert-base-layer")
+    add_batch_seq(p, "the embedded model's, 8 x 128 for bert-base-layer")
     p.add_argument("--target", default="llvm")
-    _add_logs(p)
+    add_logs(p)
     p.set_defaults(func=cmd_demo)
     return parser
 

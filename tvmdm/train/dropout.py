@@ -12,7 +12,6 @@ Sites, where HF BERT applies dropout (found in the imported graph, in binding or
 """
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax
 
