@@ -10,6 +10,7 @@ import tvm
 
 from tvmdm.build.check import CheckResult, compare_outputs, ort_session
 from tvmdm.build.options import make_options
+from tvmdm.build.output_memory import outputs_to_copy
 from tvmdm.transform.ir import has_symbolic_inputs
 from tvmdm.build.pipeline import build
 from schedules.logs import token_rows
@@ -40,6 +41,7 @@ class Compiled(ModelRunner):
         # kernel -> {input index: share of it read}: packed inputs a kernel reads only a slice of
         self.read_fractions = built.read_fractions
         self.uses_amx = built.uses_amx
+        self.copied_outputs = outputs_to_copy(built.mod)
 
     @property
     def source(self) -> str:

@@ -186,7 +186,7 @@ def runner_kwargs(manifest: dict) -> dict:
 
 def runner_manifest(runner) -> dict:
     """What ``load`` needs beside the library and the weights to rebuild ``runner`` (a Compiled)."""
-    return {"format": FORMAT, "version": VERSION, **runner_fields(runner)}
+    return {"format": FORMAT, "version": VERSION, **runner_fields(runner), "copied_outputs": runner.copied_outputs}
 
 
 def export_artifact(runner, path) -> str:
@@ -202,6 +202,7 @@ def runner_from_parts(manifest: dict, lib, params: dict, path, reload_params=Non
     with manifest_entries(path):
         runner = ModelRunner(lib, params=params, reload_params=reload_params, **runner_kwargs(manifest))
         runner.uses_amx = bool(manifest.get("amx", False))  # (written since the AMX kernels; older: none)
+        runner.copied_outputs = manifest.get("copied_outputs")  # (older artifacts: none, every output copied)
         return runner
 
 

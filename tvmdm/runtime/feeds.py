@@ -14,7 +14,7 @@ import tvm
 
 from tvmdm.core.errors import InputError
 
-_DLPACK_CPU = 1  # DLDeviceType kDLCPU
+DLPACK_CPU = 1  # DLDeviceType kDLCPU
 
 
 def as_mapping(inputs) -> Mapping:
@@ -31,8 +31,8 @@ def host_array(name: str, value) -> np.ndarray:
     if hasattr(value, "__dlpack__"):
         if hasattr(value, "detach"):  # a torch tensor that requires grad refuses to export itself
             value = value.detach()
-        device = value.__dlpack_device__()[0] if hasattr(value, "__dlpack_device__") else _DLPACK_CPU
-        if device != _DLPACK_CPU:
+        device = value.__dlpack_device__()[0] if hasattr(value, "__dlpack_device__") else DLPACK_CPU
+        if device != DLPACK_CPU:
             if not hasattr(value, "cpu"):
                 raise InputError(f"input {name!r} lives on a device (DLPack device type {device}): pass it in "
                                  "host memory")
@@ -53,7 +53,7 @@ TVM_ALIGNMENT = 64  # bytes: the alignment TVM's from_dlpack requires of a tenso
 def device_tensor(array: np.ndarray, device) -> "tvm.runtime.Tensor":
     """``array`` on ``device``: shared, not copied, on the CPU when it is contiguous and 64-byte aligned (what
     TVM's kernels assume); a copy otherwise."""
-    if device.dlpack_device_type() == _DLPACK_CPU and array.flags.c_contiguous and array.size and \
+    if device.dlpack_device_type() == DLPACK_CPU and array.flags.c_contiguous and array.size and \
             array.ctypes.data % TVM_ALIGNMENT == 0:  # checked first: TVM's refusal costs ~20 us a call
         try:
             return tvm.runtime.from_dlpack(array)

@@ -12,7 +12,7 @@ from tvm.runtime.vm import VirtualMachine  # (relax.VirtualMachine; this one loa
 
 from tvmdm.runtime import amx
 from tvmdm.core.errors import INDEX_GUARD_MARK as GUARD_MARK, InputError, TvmdmError
-from tvmdm.runtime.feeds import as_mapping, device_tensor, host_array
+from tvmdm.runtime.feeds import DLPACK_CPU, as_mapping, device_tensor, host_array
 
 
 TRANSFORM_PARAMS = "main_transform_params"  # relax.transform.LiftTransformParams' weight-only function
@@ -44,6 +44,9 @@ class ModelRunner:
         self._params = None
         self._transformed = False
         self.uses_amx = False  # kernels on the AMX tile units (tvmdm.runtime.amx): set by compile and load
+        # outputs handed over as numpy views of the memory the call made, all but these (None: copy them all,
+        # as for an artifact written before the field): set by compile and load (tvmdm.build.output_memory)
+        self.copied_outputs: list[int] | None = None
 
     def _ensure_loaded(self):
         if self._vm is None:
@@ -144,7 +147,18 @@ class ModelRunner:
                 raise
             raise InputError(message[message.index(GUARD_MARK) + len(GUARD_MARK):].splitlines()[0]) from None
         results = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
-        return [results[i] if dlpack else results[i].numpy() for i in picked]
+        return [results[i] if dlpack else self._host_array(results[i], i) for i in picked]
+
+    def _host_array(self, tensor: "tvm.runtime.Tensor", index: int) -> np.ndarray:
+        """Output ``index`` as a numpy array: on the CPU a view of the memory the call made (no copy; it lives as
+        long as the array), where tvmdm.build.output_memory found it the call's own."""
+        if self.copied_outputs is not None and index not in self.copied_outputs and \
+                self.device.dlpack_device_type() == DLPACK_CPU:
+            try:
+                return np.from_dlpack(tensor)
+            except (TypeError, BufferError, RuntimeError):  # a dtype numpy cannot take through DLPack (bfloat16)
+                pass
+        return tensor.numpy()
 
     def _output_indices(self, names) -> list[int]:
         if names is None:
