@@ -57,6 +57,11 @@ GROUPS = (4, 2, 1)  # blocks of rows per unit, the largest that divides the rows
 PANEL_BYTES = 1_200_000
 PANEL_MIN_BLOCKS = 8  # blocks of rows from which static rows take the panel units too (_static_panels)
 AMX_ATTR = "tvmdm.amx"  # a kernel on the tile units (not emulated)
+# Weight tiles are prefetched (into L2) this many K steps ahead: a core's first unit under a panel streams the
+# panel from memory, and the tile loads alone do not run ahead of it (BERT-base's int8 dynamo export at
+# (8, 128), 2 Sapphire Rapids cores: FFN1 in place 2.18 against 2.43 ms a layer; the model 0.977x-0.989x,
+# bf16 0.99x; 16 steps ahead the same as 8)
+PREFETCH_STEPS = 8
 EMULATE = False  # tests: every tile instruction as the loops it stands for (see amx_intrin), on any CPU
 
 # Tile numbers: four accumulators (block row i, column j -> 2i + j), two activation tiles, two weight tiles.
@@ -198,6 +203,10 @@ def amx_intrin(k: int, groups: int, block_rows: int = BLOCK, emulate: bool = Fal
                             T.evaluate(tile_instruction("tileloadd64", T.int8(B_TILES[0] + t), w.access_ptr(
                                 "r", offset=(col0 // LANES + t) * w_stride + step * TILE_ROWS * LANES * group),
                                 T.int64(TILE_BYTES)))
+                            for line in T.unroll(TILE_ROWS):  # (a hint: past the last step it cannot fault)
+                                T.evaluate(T.call_intrin("void", "tirx.prefetch", w.access_ptr(
+                                    "r", offset=(col0 // LANES + t) * w_stride + (step + PREFETCH_STEPS)
+                                    * TILE_ROWS * LANES * group + line * LANES * group), 0, 2, 1))
                     for t in T.unroll(2 * a_count):
                         if emulate:  # C[m, n] += sum over groups j of A[m, group * j + p] * B[j, n, p]
                             for m, x, j, p in T.grid(TILE_ROWS, LANES, TILE_ROWS, group):

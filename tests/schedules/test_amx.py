@@ -143,9 +143,10 @@ def test_sapphire_rapids_code_runs_the_contractions_on_tiles():
     assert counts["ldtilecfg"] == counts["tilerelease"] == 5 and counts["tdpbf16ps"] > 0, counts
     assert "vdpbf16ps" not in asm  # every bf16 contraction of this layer fills whole tiles
     for name in on_tiles:
-        # the accumulators start at zero in the tiles: no zeros written to memory and loaded back
+        # the accumulators start at zero in the tiles: no zeros written to memory and loaded back; the weight
+        # tiles of later K steps are prefetched
         body = "\n".join(function_asm(asm, f"{name}_compute_"))
-        assert "tilezero" in body and "memset" not in body, name
+        assert "tilezero" in body and "memset" not in body and "prefetcht1" in body, name
         script = compiled.mod[name].script()
         # the configuration is loaded inside the parallel body: each thread's tile state is its own
         parallel = script.index("T.parallel(")
