@@ -1,5 +1,6 @@
 """tvmdm bench --no-amx (tvmdm.bench.without_amx): the tile state refused to the benchmark processes by a
 seccomp filter, tvmdm built from the CPU's flags without AMX."""
+import json
 import os
 import platform
 import subprocess
@@ -87,3 +88,17 @@ def test_bench_without_amx_builds_no_tile_kernel_and_denies_every_benchmark_proc
                 assert run_jobs(job, feeds, reference, min_runs=1, max_seconds=1)["onnxruntime"][
                     "tile_state_denied"] is False  # without the option
     assert {name: os.environ.get(name) for name in before} == before
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not X86_LINUX, reason="the seccomp filter is for x86-64 Linux")
+def test_the_command_line_option_says_so_and_records_the_flags_it_built_for(tmp_path, capsys):
+    from tvmdm.cli.main import main
+
+    path = tmp_path / "b.json"
+    assert main(["bench", "bert-tiny-layer", "--batch", "2", "--seq", "8", "--no-amx", "--no-torch", "--no-ort-opt",
+                 "--no-kernels", "--min-runs", "1", "--max-seconds", "1", "--json", str(path)]) == 0
+    assert "--no-amx: every system runs without the AMX tile units" in capsys.readouterr().out
+    flags = json.loads(path.read_text())["machine"]["cpu"]["flags"]
+    assert "avx2" in flags and not any(f.startswith("amx") for f in flags)
+    assert os.environ.get(without_amx.DENY_ENV) is None
