@@ -7,6 +7,8 @@ import platform
 import shutil
 import subprocess
 
+from tvmdm.core.target import cpuinfo_path
+
 # Instruction-set flags that decide which kernels a CPU can run fast (fp32 FMA, AVX-512, bf16/int8 dot products).
 INTERESTING_FLAGS = ("fma", "avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile",
                      "amx_bf16", "amx_int8")
@@ -19,7 +21,7 @@ def cpu_info() -> dict:
     or --no-amx's copy of this CPU's without AMX)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
-        with open(os.environ.get("TVMDM_CPUINFO") or "/proc/cpuinfo") as f:
+        with open(cpuinfo_path()) as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() == "model name":

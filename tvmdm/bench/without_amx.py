@@ -14,17 +14,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import platform
 import re
 import tempfile
 
 from tvmdm.core.errors import TvmdmError
+from tvmdm.core.target import CPUINFO_ENV, cpuinfo_path
+from tvmdm.runtime.amx import ARCH_REQ_XCOMP_PERM, SYS_ARCH_PRCTL, refuse_off_x86_64_linux
 
 DENY_ENV = "TVMDM_BENCH_NO_AMX"  # set for the benchmark processes: each installs the filter first
-CPUINFO_ENV = "TVMDM_CPUINFO"  # tvmdm.core.target.host_flags reads the flags from this file instead
 
-_SYS_ARCH_PRCTL = 158  # x86-64
-_ARCH_REQ_XCOMP_PERM = 0x1023
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
 _EPERM = 1
@@ -48,9 +46,9 @@ def _filter() -> list[_Instruction]:
     return [_Instruction(_LOAD_WORD, 0, 0, _OFFSET_ARCH),
             _Instruction(_JUMP_IF_EQUAL, 0, 5, _AUDIT_ARCH_X86_64),
             _Instruction(_LOAD_WORD, 0, 0, _OFFSET_NR),
-            _Instruction(_JUMP_IF_EQUAL, 0, 3, _SYS_ARCH_PRCTL),
+            _Instruction(_JUMP_IF_EQUAL, 0, 3, SYS_ARCH_PRCTL),
             _Instruction(_LOAD_WORD, 0, 0, _OFFSET_ARG0),  # the low half of the first argument
-            _Instruction(_JUMP_IF_EQUAL, 0, 1, _ARCH_REQ_XCOMP_PERM),
+            _Instruction(_JUMP_IF_EQUAL, 0, 1, ARCH_REQ_XCOMP_PERM),
             _Instruction(_RETURN, 0, 0, _FAIL_EPERM),
             _Instruction(_RETURN, 0, 0, _ALLOW)]
 
@@ -58,8 +56,7 @@ def _filter() -> list[_Instruction]:
 def deny_tile_state() -> None:
     """Refuse this process and every process it starts the AMX tile state, for good (a seccomp filter cannot
     be taken back: call it only in a process of its own)."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        raise TvmdmError(f"--no-amx works on x86-64 Linux only, not {platform.system()} {platform.machine()}")
+    refuse_off_x86_64_linux("--no-amx works")
     instructions = _filter()
     program = _Program(len(instructions), (_Instruction * len(instructions))(*instructions))
     libc = ctypes.CDLL(None, use_errno=True)
@@ -90,7 +87,7 @@ def flags_without_amx(cpuinfo: str) -> str:
 def without_amx():
     """Within: tvmdm builds for this CPU without AMX, and the benchmark processes started from here are refused
     the tile state. This process itself keeps it (its onnxruntime reference runs are exact either way)."""
-    source = os.environ.get(CPUINFO_ENV) or "/proc/cpuinfo"  # a CPU kind's flags the user already chose
+    source = cpuinfo_path()  # a CPU kind's flags the user already chose
     try:
         with open(source) as f:
             cpuinfo = f.read()

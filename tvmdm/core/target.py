@@ -31,12 +31,20 @@ def _normalized(feature: str) -> str:
     return feature.replace("_", "").replace("-", "").replace(".", "").lower()
 
 
+CPUINFO_ENV = "TVMDM_CPUINFO"  # another file to read the CPU's flags from (host_flags)
+
+
+def cpuinfo_path() -> str:
+    """The file the CPU's model and flags are read from: ``TVMDM_CPUINFO``'s where set, else /proc/cpuinfo."""
+    return os.environ.get(CPUINFO_ENV) or "/proc/cpuinfo"
+
+
 def host_flags(cpuinfo: str | None = None) -> set[str] | None:
     """The CPU flags the kernel reports (normalized names), or None where there is no /proc/cpuinfo.
 
     ``TVMDM_CPUINFO`` names another file to read them from: code for a machine of the same CPU model with
     fewer features (a VM hiding AVX-512), e.g. the test suite run as on such a machine (tests/cpu_kinds)."""
-    cpuinfo = cpuinfo or os.environ.get("TVMDM_CPUINFO") or "/proc/cpuinfo"
+    cpuinfo = cpuinfo or cpuinfo_path()
     try:
         with open(cpuinfo) as f:
             for line in f:

@@ -28,11 +28,16 @@ def host_has_amx(flags: set[str] | None = None) -> bool:
     return bool(flags) and all(f in flags for f in AMX_FLAGS)
 
 
+def refuse_off_x86_64_linux(what: str) -> None:
+    """TvmdmError "``what`` works on x86-64 Linux only" elsewhere (the tile state is asked of Linux by arch_prctl)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise TvmdmError(f"{what} on x86-64 Linux only, not {platform.system()} {platform.machine()}")
+
+
 @functools.lru_cache(maxsize=1)
 def request_tile_state() -> None:
     """Ask Linux, once per process, for the tile data state; TvmdmError (with the reason) where it refuses."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        raise TvmdmError(f"AMX kernels run on x86-64 Linux only, not {platform.system()} {platform.machine()}")
+    refuse_off_x86_64_linux("AMX kernels run")
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
         code = ctypes.get_errno()
