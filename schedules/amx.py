@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 
 import tvm
@@ -303,10 +304,7 @@ def _static_panels(rows: int, block_rows: int, outer, sch) -> bool:
     extents = [sch.get(loop).extent for loop in outer]
     if not all(isinstance(e, tirx.IntImm) for e in extents):
         return False
-    lead = 1
-    for extent in extents:
-        lead *= int(extent)
-    return block_rows == BLOCK and lead * rows // BLOCK >= PANEL_MIN_BLOCKS
+    return block_rows == BLOCK and math.prod(int(e) for e in extents) * rows // BLOCK >= PANEL_MIN_BLOCKS
 
 
 def schedule_amx_gemm(func: tirx.PrimFunc, emulate: bool = False, op: TileOp = BF16_TILES) -> tirx.PrimFunc | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from tvmdm.transform.ir import mutator_pass
+from tvmdm.transform.ir import call_op, mutator_pass
 
 # float dtype -> (integer of its width, its bits without the sign, infinity's bits)
 LAYOUTS = {
@@ -52,8 +52,7 @@ def isnan_as_bits() -> tvm.transform.Pass:
     class ByBits(relax.PyExprMutator):
         def visit_call_(self, call):
             call = super().visit_call_(call)
-            if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.isnan" and \
-                    str(call.args[0].ty.dtype) in LAYOUTS:
+            if call_op(call) == "relax.isnan" and str(call.args[0].ty.dtype) in LAYOUTS:
                 return self.builder_.call_te(isnan_by_bits, call.args[0], primfunc_name_hint="isnan")
             return call
 
